@@ -1,0 +1,62 @@
+"""One error tree for all of Turnout.
+
+    TurnoutError                     base; `type` is the wire name in {"error": {"type": ...}}
+     ├── InvalidInput                bad user input; `field` names what was wrong (HTTP 422)
+     ├── NotFound                    no such object, or not visible to this tenant (HTTP 404)
+     ├── Unauthorized                missing or unknown token (HTTP 401)
+     ├── Forbidden                   token lacks the role (HTTP 403)
+     ├── Conflict                    state does not allow it, e.g. a late result (HTTP 409)
+     ├── RateLimited                 too many requests; `retry_after_s` (HTTP 429)
+     └── Unavailable                 a dependency is down (HTTP 503)
+
+The API maps classes to status codes in one table (`api/errors.py`); nothing else decides codes.
+"""
+
+from __future__ import annotations
+
+
+class TurnoutError(Exception):
+    type = "error"
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+    def to_dict(self) -> dict[str, str]:
+        out = {"type": self.type, "message": self.message}
+        if self.field:
+            out["field"] = self.field
+        return out
+
+
+class InvalidInput(TurnoutError):
+    type = "invalid_input"
+
+
+class NotFound(TurnoutError):
+    type = "not_found"
+
+
+class Unauthorized(TurnoutError):
+    type = "unauthorized"
+
+
+class Forbidden(TurnoutError):
+    type = "forbidden"
+
+
+class Conflict(TurnoutError):
+    type = "conflict"
+
+
+class RateLimited(TurnoutError):
+    type = "rate_limited"
+
+    def __init__(self, message: str, *, retry_after_s: float, field: str | None = None) -> None:
+        super().__init__(message, field=field)
+        self.retry_after_s = retry_after_s
+
+
+class Unavailable(TurnoutError):
+    type = "unavailable"

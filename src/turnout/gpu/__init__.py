@@ -1,0 +1,1 @@
+"""GPU knowledge: discovery behind one Protocol (provider.py and friends), allocation as pure logic."""
