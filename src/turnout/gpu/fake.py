@@ -146,7 +146,9 @@ def parse_fake_spec(text: str) -> tuple[FakeGpuGroup, ...]:
             groups.append(_parse_group(match.group(1), match.group(2)))
         elif groups and groups[-1].mig_profiles and token.strip():
             last = groups[-1]
-            groups[-1] = FakeGpuGroup(last.count, last.memory_bytes, last.model, (*last.mig_profiles, token.strip()))
+            groups[-1] = FakeGpuGroup(
+                last.count, last.memory_bytes, last.model, (*last.mig_profiles, token.strip())
+            )
         else:
             raise _bad(f"fake spec {text!r}: expected '<count>x<memory>' like '2x80Gi' at {token.strip()!r}")
     if not groups:
@@ -158,7 +160,9 @@ def parse_fake_spec(text: str) -> tuple[FakeGpuGroup, ...]:
             # Nc.* profiles are compute instances sharing one GPU instance: count only plain ones.
             used = sum(mig_profile_memory_bytes(p) for p in group.mig_profiles if "c." not in p)
             if used > group.memory_bytes:
-                raise _bad(f"MIG profiles {','.join(group.mig_profiles)} need more than {format_bytes(group.memory_bytes)}")
+                raise _bad(
+                    f"MIG profiles {','.join(group.mig_profiles)} need more than {format_bytes(group.memory_bytes)}"
+                )
     return tuple(groups)
 
 
@@ -291,7 +295,9 @@ class FakeGpuProvider:
                     raise ValueError("top level must be an object keyed by GPU UUID")
                 self._state = {k: v for k, v in loaded.items() if isinstance(v, dict)}
             except (OSError, ValueError) as exc:
-                _LOG.warning("fake GPU state file %s unreadable, keeping the last state: %s", self.state_file, exc)
+                _LOG.warning(
+                    "fake GPU state file %s unreadable, keeping the last state: %s", self.state_file, exc
+                )
             self._stamp = stamp
         return self._state
 

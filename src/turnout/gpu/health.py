@@ -150,7 +150,9 @@ class HealthTracker:
             if uuid not in seen:
                 dev.misses += 1
                 if dev.misses >= self.missed_samples:
-                    changes += self._quarantine(uuid, dev, f"{NOT_ANSWERING} ({dev.misses} samples missed)", now_s)
+                    changes += self._quarantine(
+                        uuid, dev, f"{NOT_ANSWERING} ({dev.misses} samples missed)", now_s
+                    )
         return changes
 
     def quarantined(self) -> dict[str, str]:

@@ -102,7 +102,9 @@ def discover(
 
     text = spec.strip() if isinstance(spec, str) else ""
     if not text:
-        raise InvalidInput("gpus: empty spec; use 'auto', 'none', indices like '0,2', or 'fake:2x80Gi'", field="gpus")
+        raise InvalidInput(
+            "gpus: empty spec; use 'auto', 'none', indices like '0,2', or 'fake:2x80Gi'", field="gpus"
+        )
     lowered = text.lower()
     if lowered == "none":
         return Discovery(NullProvider(), [], [])
