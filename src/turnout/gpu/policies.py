@@ -1,0 +1,500 @@
+"""Which worker a GPU task goes to: node scoring policies and a memoised index over many workers.
+
+`allocate` (allocation.py) decides *which units of one worker*; this module decides *which worker*. Both
+the controller and the trace simulator (`turnout simulate`) go through `PlacementIndex.choose`, so the
+benchmark measures the production code path.
+
+Policies score one node for one request (higher is better; None = cannot host it now):
+* `random`: a uniform feasible node and a uniform fitting unit (the paper's baseline).
+* `bestfit`: the node left with the least CPU and GPU after placement (paper's BestFit, integer score).
+* `fgd`: Fragmentation Gradient Descent (Weng et al., ATC'23), faithful to the authors' simulator: the node
+  whose expected GPU fragmentation, measured against the workload's typical tasks, grows least.
+* `turnout`: FGD's fragmentation gradient without its integer rounding, a best-fit tie-break, and a
+  penalty for breaking a fully free GPU for a share; see `TurnoutPolicy`.
+
+Scores depend only on a node's *state* (its units' shapes and usage, its free CPU and memory), never on
+names, so `PlacementIndex` scores each distinct state once per request shape and reuses the answer for every
+worker in that state. Ties go to the node registered first (the simulator registers nodes in a per-seed
+random order, as the paper's simulator does).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import random
+import sys
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from turnout.errors import InvalidInput
+from turnout.gpu.allocation import (
+    GpuGrant,
+    GpuRequest,
+    Strategy,
+    add_grant,
+    allocate,
+    model_rank,
+    shared_slack,
+)
+from turnout.gpu.devices import GpuUnit, UnitUsage
+
+PPM = 1_000_000
+_EMPTY = UnitUsage()
+_CPU_SCALE = 128.0  # BestFit normalises by the largest openb node: 128 cores and 8 GPUs
+_GPU_SCALE = 8.0
+_MEMO_LIMIT = 500_000
+
+
+@dataclass(frozen=True)
+class Host:
+    """The host side of a worker that placement weighs: free CPU cores and free memory."""
+
+    cpu_free: float = math.inf
+    memory_free_bytes: int = sys.maxsize
+
+
+Typicals = tuple[tuple[GpuRequest, float], ...]  # (request shape, probability), most popular first
+
+
+def typical_mix(requests: Iterable[GpuRequest], coverage: float = 0.95) -> Typicals:
+    """FGD's "typical tasks": the most popular request shapes until `coverage` of all tasks, renormalised.
+
+    Shape = (cpu, count, fraction, memory, models, capability), as the paper's `GetTypicalPods` keys on
+    (cpu, gpu milli, gpu count, gpu type); ties in popularity keep first-seen order.
+    """
+    counts: dict[GpuRequest, int] = {}
+    for r in requests:
+        key = replace(r, host_memory_bytes=0, workload=None)
+        counts[key] = counts.get(key, 0) + 1
+    total = sum(counts.values())
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])
+    chosen: list[tuple[GpuRequest, int]] = []
+    cum = 0
+    for key, n in ranked:
+        if cum >= coverage * total:
+            break
+        chosen.append((key, n))
+        cum += n
+    return tuple((key, n / cum) for key, n in chosen)
+
+
+def host_fits(request: GpuRequest, host: Host) -> bool:
+    return request.cpu <= host.cpu_free and request.host_memory_bytes <= host.memory_free_bytes
+
+
+def _left_ppm(unit: GpuUnit, used: UnitUsage) -> int:
+    """Unallocated share of a unit in ppm (0 when unusable or held whole)."""
+    if not unit.healthy or used.exclusive or not unit.memory_bytes:
+        return 0
+    return (unit.memory_bytes - used.memory_bytes) * PPM // unit.memory_bytes
+
+
+def fragmentation(
+    units: Sequence[GpuUnit], usage: Mapping[str, UnitUsage], cpu_free: float, mix: Typicals
+) -> float:
+    """FGD's expected fragmentation of a node, in ppm of a GPU.
+
+    For each typical task: if it could be placed here now, the free memory of the units it cannot use is
+    fragment; if it cannot (wrong model, too little CPU, not enough room, or a CPU-only task), all free GPU
+    memory of the node is fragment. Weighted by the task's popularity.
+    """
+    lefts = [_left_ppm(u, usage.get(u.uuid, _EMPTY)) for u in units]
+    total = sum(lefts)
+    if total == 0:
+        return 0.0
+    frag = 0.0
+    for t, p in mix:
+        if not t.wants_gpu or t.cpu > cpu_free:
+            frag += p * total
+            continue
+        usable = 0
+        usable_left = 0
+        for unit, left in zip(units, lefts, strict=True):
+            if left == 0 or model_rank(t, unit) is None:
+                continue
+            u = usage.get(unit.uuid, _EMPTY)
+            ok = (u.tasks == 0 and not unit.is_mig) if t.exclusive else shared_slack(t, unit, u) is not None
+            if ok:
+                usable += 1
+                usable_left += left
+        frag += p * (total - usable_left if usable >= max(t.count, 1) else total)
+    return frag
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A node's answer to one request: its score and the units it would hand out (None for a CPU task)."""
+
+    score: float
+    grant: GpuGrant | None
+
+
+class Policy(Protocol):
+    name: str
+    randomized: bool  # True: answers may not be memoised by node state
+
+    def evaluate(
+        self, request: GpuRequest, units: Sequence[GpuUnit], usage: Mapping[str, UnitUsage], host: Host
+    ) -> Outcome | None: ...
+
+
+def _candidates(
+    request: GpuRequest, units: Sequence[GpuUnit], usage: Mapping[str, UnitUsage]
+) -> list[GpuGrant]:
+    """Every single-unit grant a shared request could take here now (through `allocate`, one unit at a time)."""
+    return [g for u in units if (g := allocate(request, [u], usage)) is not None]
+
+
+class _Base:
+    """Shared feasibility: the host must fit, and a GPU request must get units via `allocate`."""
+
+    name = "base"
+    randomized = False
+
+    def evaluate(
+        self, request: GpuRequest, units: Sequence[GpuUnit], usage: Mapping[str, UnitUsage], host: Host
+    ) -> Outcome | None:
+        if not host_fits(request, host):
+            return None
+        if not request.wants_gpu:
+            return Outcome(self.score(request, units, usage, host, None), None)
+        grant = allocate(request, units, usage, Strategy.PACK)
+        if grant is None:
+            return None
+        return self.choose(request, units, usage, host, grant)
+
+    def choose(
+        self,
+        request: GpuRequest,
+        units: Sequence[GpuUnit],
+        usage: Mapping[str, UnitUsage],
+        host: Host,
+        packed: GpuGrant,
+    ) -> Outcome:
+        """Pick the grant on a node known to fit; by default the best-fit grant from `allocate`."""
+        return Outcome(self.score(request, units, usage, host, packed), packed)
+
+    def score(
+        self,
+        request: GpuRequest,
+        units: Sequence[GpuUnit],
+        usage: Mapping[str, UnitUsage],
+        host: Host,
+        grant: GpuGrant | None,
+    ) -> float:
+        return 0.0
+
+
+def _gpu_units_of(grant: GpuGrant | None, units: Sequence[GpuUnit]) -> float:
+    """How much GPU the grant takes, in GPUs (a share counts as its fraction of the unit)."""
+    if grant is None:
+        return 0.0
+    by_uuid = {u.uuid: u for u in units}
+    return sum(
+        grant.memory_bytes / by_uuid[x].memory_bytes if not grant.exclusive else 1.0 for x in grant.uuids
+    )
+
+
+class RandomPolicy(_Base):
+    """Uniform over feasible nodes (the index draws the node) and over the units that fit."""
+
+    name = "random"
+    randomized = True
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+
+    def choose(
+        self,
+        request: GpuRequest,
+        units: Sequence[GpuUnit],
+        usage: Mapping[str, UnitUsage],
+        host: Host,
+        packed: GpuGrant,
+    ) -> Outcome:
+        if request.exclusive:
+            return Outcome(0.0, packed)
+        return Outcome(0.0, self.rng.choice(_candidates(request, units, usage)))
+
+
+class BestFitPolicy(_Base):
+    """The paper's BestFit: least CPU and GPU left after placement, as an integer 0..100 score."""
+
+    name = "bestfit"
+
+    def score(
+        self,
+        request: GpuRequest,
+        units: Sequence[GpuUnit],
+        usage: Mapping[str, UnitUsage],
+        host: Host,
+        grant: GpuGrant | None,
+    ) -> float:
+        gpu_left = sum(_left_ppm(u, usage.get(u.uuid, _EMPTY)) for u in units) / PPM
+        left = (host.cpu_free - request.cpu) / _CPU_SCALE * 0.5 + (
+            gpu_left - _gpu_units_of(grant, units)
+        ) / _GPU_SCALE * 0.5
+        return float(int((1 - left) * 100))
+
+
+class FgdPolicy(_Base):
+    """Fragmentation Gradient Descent, as in the authors' simulator (score = int(sigmoid(-Δfrag) * 100))."""
+
+    name = "fgd"
+
+    def __init__(self, mix: Typicals) -> None:
+        self.mix = mix
+
+    def gain(
+        self,
+        request: GpuRequest,
+        units: Sequence[GpuUnit],
+        usage: Mapping[str, UnitUsage],
+        host: Host,
+        grant: GpuGrant | None,
+    ) -> float:
+        """Fragmentation removed by placing the request (negative: it adds fragmentation), in GPUs."""
+        before = fragmentation(units, usage, host.cpu_free, self.mix)
+        after_usage = add_grant(usage, grant, request.workload) if grant is not None else usage
+        after = fragmentation(units, after_usage, host.cpu_free - request.cpu, self.mix)
+        return (before - after) / PPM
+
+    def score(
+        self,
+        request: GpuRequest,
+        units: Sequence[GpuUnit],
+        usage: Mapping[str, UnitUsage],
+        host: Host,
+        grant: GpuGrant | None,
+    ) -> float:
+        return float(int(_sigmoid(self.gain(request, units, usage, host, grant)) * 100))
+
+    def choose(
+        self,
+        request: GpuRequest,
+        units: Sequence[GpuUnit],
+        usage: Mapping[str, UnitUsage],
+        host: Host,
+        packed: GpuGrant,
+    ) -> Outcome:
+        if request.exclusive:  # whole GPUs: the packed grant (first free GPUs by index), as the paper does
+            return Outcome(self.score(request, units, usage, host, packed), packed)
+        best: Outcome | None = None
+        for grant in _candidates(
+            request, units, usage
+        ):  # a share: the unit that fragments least, first on ties
+            s = self.score(request, units, usage, host, grant)
+            if best is None or s > best.score:
+                best = Outcome(s, grant)
+        assert best is not None  # `packed` proves a candidate exists
+        return best
+
+
+class TurnoutPolicy(FgdPolicy):
+    """Turnout's default: FGD's fragmentation gradient, kept exact, with packing as the tie-break.
+
+    Why not plain FGD: its integer sigmoid score maps every gain above ~+0.05 GPU or below ~-0.05 GPU to the
+    same few values, so many nodes tie and the tie goes to an arbitrary node. Here the raw gain ranks
+    first; among equal gains the node with less GPU and CPU left wins (best fit), so big empty nodes stay
+    whole for the large multi-GPU tasks that arrive later.
+    """
+
+    name = "turnout"
+
+    def score(
+        self,
+        request: GpuRequest,
+        units: Sequence[GpuUnit],
+        usage: Mapping[str, UnitUsage],
+        host: Host,
+        grant: GpuGrant | None,
+    ) -> float:
+        gain = self.gain(request, units, usage, host, grant)
+        gpu_left = sum(_left_ppm(u, usage.get(u.uuid, _EMPTY)) for u in units) / PPM - _gpu_units_of(
+            grant, units
+        )
+        cpu_left = host.cpu_free - request.cpu if math.isfinite(host.cpu_free) else 0.0
+        return round(gain, 9) * 1e3 - gpu_left / _GPU_SCALE * 0.5 - cpu_left / _CPU_SCALE * 0.5
+
+
+POLICY_NAMES = ("random", "bestfit", "fgd", "turnout")
+
+
+def make_policy(name: str, *, mix: Typicals = (), rng: random.Random | None = None) -> Policy:
+    """A policy by name; `mix` feeds the fragmentation-aware ones, `rng` the random one."""
+    if name == "random":
+        return RandomPolicy(rng or random.Random(0))
+    if name == "bestfit":
+        return BestFitPolicy()
+    if name == "fgd":
+        return FgdPolicy(mix)
+    if name == "turnout":
+        return TurnoutPolicy(mix)
+    raise InvalidInput(f"policy: unknown {name!r} (known: {', '.join(POLICY_NAMES)})", field="policy")
+
+
+def score_node(
+    request: GpuRequest,
+    units: Sequence[GpuUnit],
+    usage: Mapping[str, UnitUsage],
+    policy: Policy,
+    host: Host | None = None,
+) -> float | None:
+    """One node's score for `request` under `policy`, or None when the node cannot host it now."""
+    outcome = policy.evaluate(request, units, usage, host or Host())
+    return outcome.score if outcome is not None else None
+
+
+@dataclass
+class _Node:
+    key: Hashable
+    rank: int
+    units: tuple[GpuUnit, ...]
+    usage: dict[str, UnitUsage]
+    host: Host
+    state: int = -1  # id of its state signature in the index
+    sig: tuple[object, ...] = ()
+
+
+class PlacementIndex:
+    """Many workers, each scored once per distinct state and request shape.
+
+    Register workers with `upsert` (again whenever their usage or free CPU/memory changes), then `choose`.
+    A choice costs one dictionary lookup per distinct node state, so a large fleet where many workers look
+    alike is cheap, and a re-scored node costs only its own evaluation.
+    """
+
+    def __init__(self, policy: Policy, rng: random.Random | None = None) -> None:
+        self.policy = policy
+        self.rng = rng or random.Random(0)
+        self._nodes: dict[Hashable, _Node] = {}
+        self._state_ids: dict[tuple[object, ...], int] = {}
+        self._members: dict[int, list[tuple[int, Hashable]]] = {}  # state -> (rank, key), sorted by rank
+        self._next_state = 0
+        self._memo: dict[tuple[int, GpuRequest], tuple[float, tuple[int, ...], GpuGrant | None] | None] = {}
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def upsert(
+        self, key: Hashable, units: Sequence[GpuUnit], usage: Mapping[str, UnitUsage], host: Host
+    ) -> None:
+        """Add or update a worker; the first registration fixes its rank for tie-breaks."""
+        node = self._nodes.get(key)
+        if node is None:
+            node = self._nodes[key] = _Node(key, len(self._nodes), tuple(units), dict(usage), host)
+        else:
+            self._leave(node)
+            node.units, node.usage, node.host = tuple(units), dict(usage), host
+        if len(self._memo) > _MEMO_LIMIT:
+            self._forget()
+        sig = (
+            tuple(
+                (
+                    u.model,
+                    u.memory_bytes,
+                    u.parent_uuid is not None,
+                    u.healthy,
+                    u.compute_capability,
+                    u.temperature_c,
+                    node.usage.get(u.uuid, _EMPTY),
+                )
+                for u in node.units
+            ),
+            host.cpu_free,
+            host.memory_free_bytes,
+        )
+        node.sig = sig
+        node.state = self._state_ids.get(sig, -1)
+        if node.state < 0:
+            node.state = self._state_ids[sig] = self._next_state
+            self._next_state += 1
+        bisect.insort(self._members.setdefault(node.state, []), (node.rank, key))
+
+    def _forget(self) -> None:
+        """Drop memoised answers and the ids of states no worker is in, so a long-lived index stays small."""
+        self._memo.clear()
+        live = {n.state for n in self._nodes.values()}
+        self._state_ids = {sig: i for sig, i in self._state_ids.items() if i in live}
+        self._next_state = max(self._state_ids.values(), default=-1) + 1
+
+    def remove(self, key: Hashable) -> None:
+        node = self._nodes.pop(key, None)
+        if node is not None:
+            self._leave(node)
+
+    def _leave(self, node: _Node) -> None:
+        members = self._members[node.state]
+        members.remove((node.rank, node.key))
+        if not members:
+            del self._members[node.state]
+
+    def node(self, key: Hashable) -> tuple[tuple[GpuUnit, ...], dict[str, UnitUsage], Host]:
+        n = self._nodes[key]
+        return n.units, n.usage, n.host
+
+    def _outcome(
+        self, state: int, request: GpuRequest
+    ) -> tuple[float, tuple[int, ...], GpuGrant | None] | None:
+        memo_key = (state, request)
+        if memo_key in self._memo:
+            return self._memo[memo_key]
+        node = self._nodes[self._members[state][0][1]]
+        out = self.policy.evaluate(request, node.units, node.usage, node.host)
+        if out is None:
+            result = None
+        else:
+            positions = {u.uuid: i for i, u in enumerate(node.units)}
+            held = tuple(positions[x] for x in out.grant.uuids) if out.grant else ()
+            result = (out.score, held, out.grant)
+        if not self.policy.randomized:
+            self._memo[memo_key] = result
+        return result
+
+    def choose(self, request: GpuRequest) -> tuple[Hashable, GpuGrant | None] | None:
+        """The best worker for `request` and the units it gets there, or None if no worker can host it now."""
+        if self.policy.randomized:
+            feasible = [(s, m) for s, m in self._members.items() if self._feasible(s, request)]
+            if not feasible:
+                return None
+            pick = self.rng.randrange(sum(len(m) for _, m in feasible))
+            for _, members in feasible:
+                if pick < len(members):
+                    key = members[pick][1]
+                    n = self._nodes[key]
+                    out = self.policy.evaluate(request, n.units, n.usage, n.host)
+                    return (key, out.grant) if out is not None else None
+                pick -= len(members)
+        best: tuple[float, int, int] | None = None  # (-score, rank, state)
+        for state, members in self._members.items():
+            res = self._outcome(state, request)
+            if res is None:
+                continue
+            cand = (-res[0], members[0][0], state)
+            if best is None or cand < best:
+                best = cand
+        if best is None:
+            return None
+        state = best[2]
+        key = self._members[state][0][1]
+        res = self._outcome(state, request)
+        assert res is not None  # memoised above (or re-evaluated on the same state)
+        _, held, template = res
+        if template is None:
+            return key, None
+        units = self._nodes[key].units
+        return key, replace(
+            template, uuids=tuple(units[i].uuid for i in held), indices=tuple(units[i].index for i in held)
+        )
+
+    def _feasible(self, state: int, request: GpuRequest) -> bool:
+        node = self._nodes[self._members[state][0][1]]
+        return host_fits(request, node.host) and (
+            not request.wants_gpu or allocate(request, node.units, node.usage) is not None
+        )
