@@ -1,0 +1,1 @@
+"""The HTTP API: FastAPI routers, wire schemas, and the one table that maps errors to status codes."""

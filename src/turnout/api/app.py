@@ -1,0 +1,306 @@
+"""Routes. Each handler checks the token, translates the wire format, and calls the controller once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, Header, Query, Request
+from fastapi.responses import PlainTextResponse, StreamingResponse
+
+from turnout import __version__
+from turnout.api import errors
+from turnout.api.schemas import (
+    CompleteIn,
+    EventsIn,
+    HeartbeatIn,
+    LeaseIn,
+    RegisterIn,
+    TaskBatchIn,
+    TaskIn,
+    TokenIn,
+    iso,
+    task_out,
+    worker_out,
+)
+from turnout.api.service import POLL_S, Service, Signal
+from turnout.auth import ANONYMOUS_ADMIN, Principal
+from turnout.errors import InvalidInput
+from turnout.models import Completion, Device, Role, TaskState, Variant, check_capability_name
+from turnout.resources import parse_resources
+
+
+def create_app(service: Service) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    app = FastAPI(title="Turnout", version=__version__, lifespan=lifespan)
+    errors.install(app)
+    ctrl = service.controller
+
+    def need(kind: str) -> Any:
+        async def check(authorization: str | None = Header(None)) -> Principal:
+            if not service.auth:
+                return ANONYMOUS_ADMIN
+            return await service.call(service.tokens.verify, authorization, kind)
+
+        return Depends(check)
+
+    def scope(p: Principal) -> str | None:
+        """The tenant whose tasks this caller sees; None = all (the default tenant's admin)."""
+        return None if p.role is Role.ADMIN and p.tenant == "default" else p.tenant
+
+    # ---- health --------------------------------------------------------------------------------
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"ok": True, "version": __version__}
+
+    # ---- tasks ---------------------------------------------------------------------------------
+
+    @app.post("/v1/tasks", status_code=201)
+    async def submit(body: TaskIn, p: Principal = need("submit")) -> dict[str, Any]:
+        tasks = await service.call(ctrl.submit, p.tenant, [body.to_spec()])
+        service.queue_changed.notify()
+        return task_out(tasks[0])
+
+    @app.post("/v1/tasks/batch", status_code=201)
+    async def submit_batch(body: TaskBatchIn, p: Principal = need("submit")) -> dict[str, Any]:
+        tasks = await service.call(ctrl.submit, p.tenant, body.to_specs())
+        service.queue_changed.notify()
+        return {"tasks": [task_out(t) for t in tasks]}
+
+    @app.get("/v1/tasks")
+    async def list_tasks(
+        state: str | None = None,
+        capability: str | None = None,
+        limit: int = Query(50, ge=1, le=1000),
+        cursor: str | None = None,
+        p: Principal = need("read"),
+    ) -> dict[str, Any]:
+        if state is not None and state not in {s.value for s in TaskState}:
+            raise InvalidInput(f"state: {state!r} is not a task state", field="state")
+        tasks = await service.call(ctrl.list_tasks, scope(p), state=state, capability=capability, limit=limit,
+                                   cursor=cursor)  # fmt: skip
+        return {"tasks": [task_out(t) for t in tasks], "next_cursor": tasks[-1].id if len(tasks) == limit else None}
+
+    @app.get("/v1/tasks/{task_id}")
+    async def get_task(task_id: str, p: Principal = need("read")) -> dict[str, Any]:
+        return task_out(await service.call(ctrl.get_task, scope(p), task_id))
+
+    @app.get("/v1/tasks/{task_id}/result")
+    async def get_result(task_id: str, wait: float = Query(0, ge=0, le=3600), p: Principal = need("read")) -> dict[str, Any]:
+        deadline = time.monotonic() + wait
+        while True:
+            signal = service.tasks_changed.current()
+            task = await service.call(ctrl.get_task, scope(p), task_id)
+            left = deadline - time.monotonic()
+            if task.state.terminal or left <= 0:
+                return task_out(task)
+            await Signal.wait(signal, min(left, POLL_S))
+
+    @app.post("/v1/tasks/{task_id}/cancel")
+    async def cancel(task_id: str, p: Principal = need("submit")) -> dict[str, Any]:
+        task = await service.call(ctrl.cancel, scope(p), task_id)
+        service.changed()
+        return task_out(task)
+
+    @app.get("/v1/tasks/{task_id}/events")
+    async def events(
+        request: Request,
+        task_id: str,
+        after: int = Query(0, ge=0),
+        last_event_id: str | None = Header(None),
+        p: Principal = need("read"),
+    ) -> StreamingResponse:
+        await service.call(ctrl.get_task, scope(p), task_id)  # 404 before the stream starts
+        start = after
+        if last_event_id:
+            if not last_event_id.isdigit():
+                raise InvalidInput("Last-Event-ID: expected the seq number of the last event seen", field="Last-Event-ID")
+            start = max(start, int(last_event_id))
+
+        async def stream() -> AsyncIterator[bytes]:
+            seen = start
+            while True:
+                signal = service.events_added.current()
+                batch = await service.call(ctrl.store.read_events, task_id, seen, 5000)
+                for seq, ts, body in batch:
+                    seen = seq
+                    payload = {**body, "seq": seq, "ts": iso(ts)}
+                    yield f"id: {seq}\nevent: {body.get('event', 'message')}\ndata: {json.dumps(payload)}\n\n".encode()
+                    if body.get("event") == "finish":
+                        return
+                if batch:
+                    continue
+                task = await service.call(ctrl.get_task, None, task_id)
+                if task.state.terminal:
+                    tail = await service.call(ctrl.store.read_events, task_id, seen, 5000)
+                    if not tail:
+                        return
+                    continue
+                if await request.is_disconnected():
+                    return
+                await Signal.wait(signal, POLL_S)
+
+        return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    # ---- capabilities and workers --------------------------------------------------------------
+
+    @app.get("/v1/capabilities")
+    async def capabilities(p: Principal = need("read")) -> dict[str, Any]:
+        workers = await service.call(ctrl.workers)
+        depths = await service.call(ctrl.store.queue_depths)
+        caps: dict[str, dict[str, Any]] = {}
+        for w in workers:
+            for v in w.variants:
+                entry = caps.setdefault(v.capability, {"name": v.capability, "variants": {}})
+                var = entry["variants"].setdefault(v.device.value, {"device": v.device.value, "resources": v.resources.to_dict(), "workers": []})
+                var["workers"].append({"id": w.id, "name": w.name, "state": w.state.value})
+        for name in depths:
+            caps.setdefault(name, {"name": name, "variants": {}})
+        out = []
+        for name in sorted(caps):
+            entry = caps[name]
+            d = depths.get(name, {})
+            out.append({"name": name, "variants": list(entry["variants"].values()),
+                        "queue_depth": d.get("queued", 0), "running": d.get("leased", 0) + d.get("running", 0)})  # fmt: skip
+        return {"capabilities": out}
+
+    @app.get("/v1/workers")
+    async def workers(p: Principal = need("read")) -> dict[str, Any]:
+        ws = await service.call(ctrl.workers)
+        active = await service.call(ctrl.store.active_tasks)
+        counts: dict[str, int] = {}
+        for t in active:
+            counts[t.worker_id or ""] = counts.get(t.worker_id or "", 0) + 1
+        return {"workers": [worker_out(w, counts.get(w.id, 0)) for w in ws]}
+
+    @app.post("/v1/workers/{worker_id}/drain")
+    async def drain(worker_id: str, p: Principal = need("admin")) -> dict[str, Any]:
+        return worker_out(await service.call(ctrl.drain, worker_id))
+
+    # ---- worker protocol -----------------------------------------------------------------------
+
+    @app.post("/v1/workers/register", status_code=201)
+    async def register(body: RegisterIn, p: Principal = need("worker")) -> dict[str, Any]:
+        variants = []
+        for i, v in enumerate(body.variants):
+            check_capability_name(v.capability, f"variants.{i}.capability")
+            variants.append(Variant(v.capability, Device(v.device), parse_resources(v.resources, f"variants.{i}.resources")))
+        worker = await service.call(
+            ctrl.register_worker, name=body.name, host=body.host, variants=variants, cpu=body.cpu,
+            memory_bytes=body.memory, gpus=body.gpus, strategy=body.strategy, heartbeat_s=body.heartbeat_s,
+            worker_id=body.worker_id,
+        )  # fmt: skip
+        service.changed()
+        return {"id": worker.id, "heartbeat_s": worker.heartbeat_s}
+
+    @app.post("/v1/workers/{worker_id}/heartbeat")
+    async def heartbeat(worker_id: str, body: HeartbeatIn, p: Principal = need("worker")) -> dict[str, Any]:
+        worker = await service.call(ctrl.heartbeat, worker_id, metrics=body.metrics, quarantined=body.quarantined)
+        return {"state": worker.state.value, "heartbeat_s": worker.heartbeat_s}
+
+    @app.post("/v1/workers/{worker_id}/lease")
+    async def lease(worker_id: str, body: LeaseIn, p: Principal = need("worker")) -> dict[str, Any]:
+        deadline = time.monotonic() + min(body.wait_s, ctrl.settings.max_lease_wait_s)
+        running = list(body.running)
+        while True:
+            signal = service.queue_changed.current()
+            result = await service.call(ctrl.lease, worker_id, max_tasks=body.max_tasks, running=running)
+            running = [tid for tid in running if tid not in set(result.cancel)]
+            left = deadline - time.monotonic()
+            if result.leases or result.cancel or left <= 0:
+                if result.leases:
+                    service.tasks_changed.notify()
+                return {
+                    "tasks": [
+                        {"id": le.task.id, "attempt": le.task.attempts, "capability": le.task.spec.capability,
+                         "device": le.device.value, "input": le.task.spec.input, "resources": le.resources.to_dict(),
+                         "gpus": le.grant, "timeout_s": le.task.spec.timeout_s, "labels": le.task.spec.labels,
+                         "tenant": le.task.tenant, "routing": le.task.routing}
+                        for le in result.leases
+                    ],
+                    "cancel": result.cancel,
+                }  # fmt: skip
+            await Signal.wait(signal, min(left, POLL_S))
+
+    @app.post("/v1/workers/{worker_id}/complete")
+    async def complete(worker_id: str, body: CompleteIn, p: Principal = need("worker")) -> dict[str, Any]:
+        completions = [
+            Completion(r.task_id, r.attempt, r.status == "succeeded", r.output, r.error, r.run_s, r.started_at)
+            for r in body.results
+        ]
+        accepted, refused = await service.call(ctrl.complete, worker_id, completions)
+        if accepted:
+            service.changed()
+        return {"accepted": accepted, "refused": refused}
+
+    @app.post("/v1/workers/{worker_id}/events")
+    async def worker_events(worker_id: str, body: EventsIn, p: Principal = need("worker")) -> dict[str, Any]:
+        items = [(e.task_id, e.attempt, e.event) for e in body.events]
+        last = await service.call(ctrl.append_events, worker_id, items)
+        if last:
+            service.events_added.notify()
+        return {"stored": sum(1 for _ in items) if last else 0}
+
+    @app.post("/v1/workers/{worker_id}/leave")
+    async def leave(worker_id: str, p: Principal = need("worker")) -> dict[str, Any]:
+        await service.call(ctrl.deregister, worker_id)
+        service.changed()
+        return {"ok": True}
+
+    # ---- tokens --------------------------------------------------------------------------------
+
+    @app.post("/v1/tokens", status_code=201)
+    async def create_token(body: TokenIn, p: Principal = need("admin")) -> dict[str, Any]:
+        token_id, token = await service.call(service.tokens.create, body.role, body.tenant)
+        await service.call(ctrl._audit, "token_created", body.tenant, {"id": token_id, "role": body.role, "by": p.token_id})
+        return {"id": token_id, "token": token, "role": body.role, "tenant": body.tenant}
+
+    @app.delete("/v1/tokens/{token_id}")
+    async def revoke_token(token_id: str, p: Principal = need("admin")) -> dict[str, Any]:
+        await service.call(service.tokens.revoke, token_id)
+        await service.call(ctrl._audit, "token_revoked", None, {"id": token_id, "by": p.token_id})
+        return {"id": token_id, "revoked": True}
+
+    @app.get("/v1/audit")
+    async def audit(since: str | None = None, p: Principal = need("admin")) -> dict[str, Any]:
+        records = await service.call(ctrl.store.list_audit, _parse_since(since))
+        return {"audit": [{"id": r["id"], "ts": iso(r["ts"]), "kind": r["kind"], "tenant": r["tenant"], **r["body"]}
+                          for r in records]}  # fmt: skip
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        depths = await service.call(ctrl.store.queue_depths)
+        lines = ["# HELP turnout_tasks Tasks by capability and state (non-terminal)", "# TYPE turnout_tasks gauge"]
+        for cap, states in sorted(depths.items()):
+            for state, n in sorted(states.items()):
+                lines.append(f'turnout_tasks{{capability="{cap}",state="{state}"}} {n}')
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def _parse_since(since: str | None) -> float | None:
+    if since is None:
+        return None
+    try:
+        return float(since)
+    except ValueError:
+        pass
+    from datetime import datetime
+
+    try:
+        return datetime.fromisoformat(since.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        raise InvalidInput(f"since: {since!r} is not an ISO 8601 time or epoch seconds", field="since") from None

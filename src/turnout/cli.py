@@ -1,0 +1,370 @@
+"""`turnout`: the command line. Thin: parse flags, call runtime/client, render with rich."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from turnout.config import DEFAULT_PORT
+from turnout.errors import InvalidInput, TurnoutError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Send every ML and data task to the hardware that suits it.")
+token_app = typer.Typer(no_args_is_help=True, help="Make and revoke API tokens (admin).")
+app.add_typer(token_app, name="token")
+out = Console()
+err = Console(stderr=True)
+
+
+def main() -> None:
+    try:
+        app()
+    except TurnoutError as exc:
+        err.print(f"[red]error:[/red] {exc.message}")
+        sys.exit(2)
+
+
+def _home(home: Optional[Path]) -> Path:
+    from turnout.runtime import default_home
+
+    return Path(home).expanduser() if home else default_home()
+
+
+def _logging(verbose: bool = False) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+
+
+# ---- servers ---------------------------------------------------------------------------------------
+
+
+@app.command()
+def up(
+    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+    port: int = typer.Option(DEFAULT_PORT, help="Port to listen on."),
+    home: Optional[Path] = typer.Option(None, help="State directory (default $TURNOUT_HOME or ~/.turnout)."),
+    gpus: str = typer.Option("auto", help="GPUs of the local worker: auto, none, 0,2 or fake:SPEC."),
+    app_ref: list[str] = typer.Option([], "--app", help="MODULE:APP served by the local worker (default: the demo app)."),
+    presets: Optional[Path] = typer.Option(None, help="Model presets file served by the local worker."),
+    config: Optional[Path] = typer.Option(None, help="turnout.yaml: prices, pipelines, limits, escalation."),
+    no_auth: bool = typer.Option(False, "--no-auth", help="No tokens (loopback only)."),
+    verbose: bool = typer.Option(False, "-v", "--verbose"),
+) -> None:
+    """Controller on embedded SQLite plus one local worker, at http://127.0.0.1:8750."""
+    from turnout.runtime import build_controller, default_db, serve, wait_healthy
+
+    _logging(verbose)
+    state = _home(home)
+    parts = build_controller(db=default_db(state), home=state, config=config, auth=not no_auth, host=host,
+                             fresh_admin_token=True)  # fmt: skip
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    out.print(f"[bold]Turnout[/bold] controller at {url}  (state in {state})")
+    if parts.admin_token:
+        out.print(f"admin token: {parts.admin_token}\n  (saved to {state / 'admin.token'}; the CLI and SDK find it there)")
+    worker_cmd = [sys.executable, "-m", "turnout.cli", "worker", *(app_ref or ["turnout.demo:app"]), "--controller", url,
+                  "--gpus", gpus, "--name", "local"]  # fmt: skip
+    if presets:
+        worker_cmd += ["--presets", str(presets)]
+    env = {**os.environ, "TURNOUT_HOME": str(state)}
+    if parts.admin_token:
+        env["TURNOUT_TOKEN"] = parts.admin_token
+    worker: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start_worker() -> None:
+        if wait_healthy(url):
+            worker["p"] = subprocess.Popen(worker_cmd, env=env)
+            out.print(f"local worker started (gpus={gpus}); try:  turnout submit shout --input '{{\"text\": \"hi\"}}' --wait")
+
+    threading.Thread(target=start_worker, daemon=True).start()
+    try:
+        serve(parts.service, host=host, port=port)
+    finally:
+        if "p" in worker:
+            worker["p"].send_signal(signal.SIGTERM)
+            try:
+                worker["p"].wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                worker["p"].kill()
+
+
+@app.command()
+def controller(
+    db: Optional[str] = typer.Option(None, help="sqlite:///PATH or postgresql://... (default $TURNOUT_DB or $TURNOUT_HOME/turnout.db)."),
+    host: str = typer.Option("127.0.0.1"),
+    port: int = typer.Option(DEFAULT_PORT),
+    home: Optional[Path] = typer.Option(None),
+    config: Optional[Path] = typer.Option(None),
+    no_auth: bool = typer.Option(False, "--no-auth"),
+    tls_cert: Optional[Path] = typer.Option(None, help="PEM certificate for HTTPS."),
+    tls_key: Optional[Path] = typer.Option(None, help="PEM key for HTTPS."),
+    heartbeat_s: float = typer.Option(5.0, help="Default worker heartbeat period."),
+    verbose: bool = typer.Option(False, "-v", "--verbose"),
+) -> None:
+    """The controller only (state in SQLite or PostgreSQL)."""
+    from turnout.runtime import build_controller, default_db, serve
+
+    _logging(verbose)
+    if bool(tls_cert) != bool(tls_key):
+        raise InvalidInput("--tls-cert and --tls-key go together", field="tls-cert")
+    state = _home(home)
+    parts = build_controller(db=db or default_db(state), home=state, config=config, auth=not no_auth, host=host,
+                             heartbeat_s=heartbeat_s)  # fmt: skip
+    if parts.admin_token:
+        out.print(f"admin token: {parts.admin_token}  (saved to {state / 'admin.token'})")
+    scheme = "https" if tls_cert else "http"
+    out.print(f"Turnout controller at {scheme}://{host}:{port}")
+    serve(parts.service, host=host, port=port, tls_cert=tls_cert, tls_key=tls_key)
+
+
+@app.command()
+def worker(
+    apps: list[str] = typer.Argument(None, help="MODULE:APP, one or more."),
+    controller_url: Optional[str] = typer.Option(None, "--controller", help="Controller URL (default $TURNOUT_URL)."),
+    token: Optional[str] = typer.Option(None, help="Worker or admin token (default $TURNOUT_TOKEN or admin.token)."),
+    presets: Optional[Path] = typer.Option(None, help="Model presets file: each model is served as a capability."),
+    gpus: str = typer.Option("auto", help="auto, none, 0,2 or fake:SPEC."),
+    name: Optional[str] = typer.Option(None, help="Worker name (default: host name)."),
+    strategy: str = typer.Option("pack", help="GPU placement on this worker: pack or spread."),
+    cpus: Optional[float] = typer.Option(None, help="Cores to offer (default: all)."),
+    heartbeat_s: float = typer.Option(5.0, help="Heartbeat period."),
+    verbose: bool = typer.Option(False, "-v", "--verbose"),
+) -> None:
+    """A worker: serves the given apps (and presets) with the GPUs it finds."""
+    import socket
+
+    from turnout.client import default_token, default_url
+    from turnout.runtime import run_agent_until_signalled
+    from turnout.worker.agent import Agent, AgentSettings, python_runnables
+    from turnout.worker.app import load_app
+
+    _logging(verbose)
+    if strategy not in ("pack", "spread"):
+        raise InvalidInput(f"--strategy: {strategy!r} is not pack or spread", field="strategy")
+    if not apps and not presets:
+        raise InvalidInput("give at least one MODULE:APP or --presets FILE", field="apps")
+    sys.path.insert(0, os.getcwd())
+    base_env = {k: v for k, v in os.environ.items() if k not in ("TURNOUT_TOKEN",)}
+    runnables = []
+    for ref in apps or []:
+        runnables += python_runnables(ref, load_app(ref), base_env)
+    if presets:
+        from turnout.worker.presets import preset_runnables
+
+        runnables += preset_runnables(presets, base_env)
+    settings = AgentSettings(controller_url=controller_url or default_url(), token=token or default_token(),
+                             name=name or socket.gethostname(), gpus=gpus, strategy=strategy, cpus=cpus,
+                             heartbeat_s=heartbeat_s)  # fmt: skip
+    run_agent_until_signalled(Agent(settings, runnables))
+
+
+# ---- client commands -------------------------------------------------------------------------------
+
+
+def _client() -> Any:
+    from turnout.client import Client
+
+    return Client()
+
+
+def _json_arg(text: str, name: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise InvalidInput(f"{name}: not valid JSON ({exc})", field=name) from None
+
+
+@app.command()
+def submit(
+    capability: str,
+    input: str = typer.Option("null", "--input", "-i", help="The task input as JSON."),
+    gpu: str = typer.Option("auto", help="prefer, never, require or auto."),
+    wait: bool = typer.Option(False, "--wait", help="Wait for the result and print it."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Stream events as they come."),
+    timeout_s: Optional[float] = typer.Option(None, help="Fail the task after this many seconds of running."),
+    priority: int = typer.Option(0),
+) -> None:
+    """Submit a task."""
+    options: dict[str, Any] = {"priority": priority}
+    if timeout_s is not None:
+        options["timeout_s"] = timeout_s
+    with _client() as client:
+        handle = client.submit(capability, _json_arg(input, "--input"), gpu=gpu, **options)
+        if not (wait or follow):
+            out.print_json(json.dumps({"id": handle.id, "state": handle.task["state"]}))
+            return
+        if follow:
+            for event in handle.events():
+                kind = event.get("event")
+                if kind == "text_delta":
+                    out.print(event.get("delta", ""), end="", markup=False, highlight=False)
+                elif kind == "log":
+                    err.print(f"[dim]{event.get('line', '')}[/dim]", markup=True, highlight=False)
+                elif kind != "finish":
+                    err.print(f"[dim]{json.dumps(event)}[/dim]")
+            out.print()
+        task = handle.result()
+        _print_task(task)
+        if task["state"] != "succeeded":
+            raise typer.Exit(1)
+
+
+def _print_task(task: dict[str, Any]) -> None:
+    out.print_json(json.dumps(task, default=str))
+
+
+@app.command()
+def task(task_id: str) -> None:
+    """Show one task."""
+    with _client() as client:
+        _print_task(client.get_task(task_id))
+
+
+@app.command()
+def cancel(task_id: str) -> None:
+    """Cancel a task (a running process is killed)."""
+    with _client() as client:
+        t = client.cancel(task_id)
+        out.print(f"{t['id']}: {t['state']}")
+
+
+@app.command()
+def tasks(
+    state: Optional[str] = typer.Option(None),
+    capability: Optional[str] = typer.Option(None),
+    limit: int = typer.Option(20),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """List tasks, newest first."""
+    with _client() as client:
+        body = client.tasks(state=state, capability=capability, limit=limit)
+    if as_json:
+        out.print_json(json.dumps(body))
+        return
+    table = Table("id", "capability", "state", "device", "worker", "attempts", "run_s", "reason")
+    for t in body["tasks"]:
+        table.add_row(t["id"], t["capability"], t["state"], t["device"] or "", (t["worker"] or "")[:14],
+                      str(t["attempts"]), f"{t['run_s']:.3f}" if t["run_s"] is not None else "",
+                      (t.get("routing") or {}).get("reason", ""))  # fmt: skip
+    out.print(table)
+
+
+@app.command()
+def status(as_json: bool = typer.Option(False, "--json")) -> None:
+    """Workers, their GPUs, and the queues."""
+    with _client() as client:
+        workers, caps = client.workers(), client.capabilities()
+    if as_json:
+        out.print_json(json.dumps({"workers": workers, "capabilities": caps}))
+        return
+    wt = Table("worker", "name", "state", "cpu", "gpus", "running", "capabilities", title="Workers")
+    for w in workers:
+        gpus = ", ".join(_gpu_line(g) for g in w["gpus"]) or "-"
+        wt.add_row(w["id"], w["name"], w["state"], str(w["resources"]["cpu"]), gpus, str(w["active_tasks"]),
+                   ", ".join(w["capabilities"]))  # fmt: skip
+    out.print(wt)
+    ct = Table("capability", "variants", "queued", "running", title="Capabilities")
+    for c in caps:
+        variants = ", ".join(f"{v['device']} ({len(v['workers'])} workers)" for v in c["variants"])
+        ct.add_row(c["name"], variants or "-", str(c["queue_depth"]), str(c["running"]))
+    out.print(ct)
+
+
+def _gpu_line(g: dict[str, Any]) -> str:
+    from turnout.resources import format_bytes
+
+    m = g.get("metrics") or {}
+    used = m.get("memory_used_bytes")
+    mem = f"{format_bytes(used)}/" if used is not None else ""
+    extra = f" {m.get('utilization_pct'):.0f}%" if m.get("utilization_pct") is not None else ""
+    bad = f" QUARANTINED({g['quarantined']})" if g.get("quarantined") else ""
+    return f"{g['index']}:{g['name']} {mem}{format_bytes(g['memory_total_bytes'])}{extra}{bad}"
+
+
+@app.command()
+def gpus(
+    spec: str = typer.Option("auto", "--gpus", help="auto, none, 0,2 or fake:SPEC."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """What GPUs this host has, from discovery."""
+    from dataclasses import asdict
+
+    from turnout.gpu.provider import discover
+    from turnout.resources import format_bytes
+
+    found = discover(spec)
+    metrics = {m.uuid: m for m in found.provider.metrics()} if found.devices else {}
+    if as_json:
+        out.print_json(json.dumps({"provider": found.provider.name, "tried": [list(t) for t in found.tried],
+                                   "gpus": [{**d.to_dict(), "metrics": asdict(metrics[d.uuid]) if d.uuid in metrics else None}
+                                            for d in found.devices]}))  # fmt: skip
+        return
+    if not found.devices:
+        out.print(f"no GPUs found (provider {found.provider.name})")
+        for name, why in found.tried:
+            out.print(f"  {name}: {why}")
+        return
+    table = Table("index", "name", "uuid", "memory", "cc", "driver", "cuda", "mig", "util", "temp", title=f"GPUs ({found.provider.name})")
+    for d in found.devices:
+        m = metrics.get(d.uuid)
+        mig = ", ".join(x.profile for x in d.mig_devices) if d.mig_mode else "off"
+        table.add_row(str(d.index), d.name, d.uuid, format_bytes(d.memory_total_bytes), d.compute_capability or "",
+                      d.driver_version or "", d.cuda_version or "", mig,
+                      f"{m.utilization_pct:.0f}%" if m and m.utilization_pct is not None else "",
+                      f"{m.temperature_c:.0f}C" if m and m.temperature_c is not None else "")  # fmt: skip
+    out.print(table)
+
+
+@app.command()
+def simulate(
+    nodes: Path = typer.Option(..., help="Nodes CSV (openb format)."),
+    tasks_csv: Path = typer.Option(..., "--tasks", help="Tasks CSV (openb pod list format)."),
+    policy: str = typer.Option("turnout", help="Placement policy."),
+    seed: int = typer.Option(42),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Replay a workload trace through the controller's own placement code."""
+    from turnout.simulate import main as simulate_main
+
+    raise typer.Exit(simulate_main(nodes, tasks_csv, policy, seed, as_json))
+
+
+@token_app.command("create")
+def token_create(role: str = typer.Option(..., help="admin, submit, worker or read."), tenant: str = typer.Option("default")) -> None:
+    """Make a token (shown once)."""
+    with _client() as client:
+        body = client.request("POST", "/v1/tokens", json={"role": role, "tenant": tenant})
+    out.print_json(json.dumps(body))
+
+
+@token_app.command("revoke")
+def token_revoke(token_id: str) -> None:
+    with _client() as client:
+        client.request("DELETE", f"/v1/tokens/{token_id}")
+    out.print(f"{token_id}: revoked")
+
+
+@app.command()
+def audit(since: Optional[str] = typer.Option(None), jsonl: bool = typer.Option(False, "--jsonl", help="One JSON record per line.")) -> None:
+    """The audit log (admin)."""
+    with _client() as client:
+        body = client.request("GET", "/v1/audit", params={"since": since} if since else {})
+    for rec in body["audit"]:
+        if jsonl:
+            print(json.dumps(rec))
+        else:
+            out.print(f"{rec['ts']}  {rec['kind']:<18} {rec.get('tenant') or '':<10} "
+                      + json.dumps({k: v for k, v in rec.items() if k not in ('ts', 'kind', 'tenant', 'id')}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""The Python SDK. `AsyncClient` is the one implementation; `Client` drives it on a private event loop.
+
+    from turnout import Client
+    client = Client()                                  # TURNOUT_URL, TURNOUT_TOKEN or $TURNOUT_HOME/admin.token
+    task = client.submit("shout", {"text": "hi"}, gpu="prefer")
+    print(task.result(timeout=30)["output"])
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+
+from turnout.config import DEFAULT_PORT
+from turnout.errors import (
+    Conflict,
+    Forbidden,
+    InvalidInput,
+    NotFound,
+    RateLimited,
+    TurnoutError,
+    Unauthorized,
+    Unavailable,
+)
+
+T = TypeVar("T")
+TERMINAL = {"succeeded", "failed", "cancelled"}
+_BY_STATUS: dict[int, type[TurnoutError]] = {
+    401: Unauthorized, 403: Forbidden, 404: NotFound, 409: Conflict, 422: InvalidInput, 503: Unavailable,
+}  # fmt: skip
+
+
+def default_url() -> str:
+    return os.environ.get("TURNOUT_URL") or f"http://127.0.0.1:{DEFAULT_PORT}"
+
+
+def default_token() -> str | None:
+    if os.environ.get("TURNOUT_TOKEN"):
+        return os.environ["TURNOUT_TOKEN"]
+    path = Path(os.environ.get("TURNOUT_HOME") or "~/.turnout").expanduser() / "admin.token"
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def raise_for_error(resp: httpx.Response) -> None:
+    if resp.status_code < 400:
+        return
+    try:
+        err = resp.json().get("error", {})
+    except ValueError:
+        err = {"message": resp.text}
+    message = err.get("message") or f"HTTP {resp.status_code}"
+    if resp.status_code == 429:
+        raise RateLimited(message, retry_after_s=float(resp.headers.get("Retry-After", "1")), field=err.get("field"))
+    cls = _BY_STATUS.get(resp.status_code, TurnoutError)
+    raise cls(message, field=err.get("field"))
+
+
+class AsyncTaskHandle:
+    def __init__(self, client: AsyncClient, task: dict[str, Any]) -> None:
+        self.client = client
+        self.id: str = task["id"]
+        self.task = task
+
+    async def result(self, timeout: float | None = None) -> dict[str, Any]:
+        """Wait for a terminal state (at most `timeout` seconds) and return the task."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            wait = 30.0 if deadline is None else max(0.0, min(30.0, deadline - loop.time()))
+            self.task = await self.client.get_result(self.id, wait=wait)
+            if self.task["state"] in TERMINAL:
+                return self.task
+            if deadline is not None and loop.time() >= deadline:
+                raise TimeoutError(f"task {self.id} still {self.task['state']} after {timeout} s")
+
+    async def events(self, after: int = 0) -> AsyncIterator[dict[str, Any]]:
+        async for event in self.client.events(self.id, after=after):
+            yield event
+
+    async def cancel(self) -> dict[str, Any]:
+        return await self.client.cancel(self.id)
+
+
+class AsyncClient:
+    def __init__(self, url: str | None = None, token: str | None = None, *, timeout_s: float = 30.0) -> None:
+        self.url = (url or default_url()).rstrip("/")
+        token = token or default_token()
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout_s, read=None))
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def request(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            resp = await self.http.request(method, path, **kwargs)
+        except httpx.ConnectError as exc:
+            raise Unavailable(f"cannot reach the Turnout controller at {self.url}: {exc}") from None
+        raise_for_error(resp)
+        return resp.json()
+
+    async def submit(self, capability: str, input: Any = None, *, gpu: str | bool = "auto", **options: Any) -> AsyncTaskHandle:
+        task = await self.request("POST", "/v1/tasks", json={"capability": capability, "input": input, "gpu": gpu, **options})
+        return AsyncTaskHandle(self, task)
+
+    async def submit_batch(self, tasks: list[dict[str, Any]]) -> list[AsyncTaskHandle]:
+        body = await self.request("POST", "/v1/tasks/batch", json={"tasks": tasks})
+        return [AsyncTaskHandle(self, t) for t in body["tasks"]]
+
+    async def get_task(self, task_id: str) -> dict[str, Any]:
+        return await self.request("GET", f"/v1/tasks/{task_id}")
+
+    async def get_result(self, task_id: str, wait: float = 0) -> dict[str, Any]:
+        return await self.request("GET", f"/v1/tasks/{task_id}/result", params={"wait": wait})
+
+    async def cancel(self, task_id: str) -> dict[str, Any]:
+        return await self.request("POST", f"/v1/tasks/{task_id}/cancel")
+
+    async def tasks(self, **filters: Any) -> dict[str, Any]:
+        return await self.request("GET", "/v1/tasks", params={k: v for k, v in filters.items() if v is not None})
+
+    async def workers(self) -> list[dict[str, Any]]:
+        return (await self.request("GET", "/v1/workers"))["workers"]
+
+    async def capabilities(self) -> list[dict[str, Any]]:
+        return (await self.request("GET", "/v1/capabilities"))["capabilities"]
+
+    async def run_pipeline(self, name: str, input: Any, **options: Any) -> dict[str, Any]:
+        return await self.request("POST", f"/v1/pipelines/{name}/runs", json={"input": input, **options})
+
+    async def events(self, task_id: str, after: int = 0) -> AsyncIterator[dict[str, Any]]:
+        """The task's events as they happen (Server-Sent Events), resuming after `after`; ends after `finish`."""
+        seen = after
+        while True:
+            headers = {"Last-Event-ID": str(seen)} if seen else {}
+            try:
+                async with self.http.stream("GET", f"/v1/tasks/{task_id}/events", headers=headers) as resp:
+                    if resp.status_code >= 400:
+                        await resp.aread()
+                        raise_for_error(resp)
+                    async for event in _parse_sse(resp.aiter_lines()):
+                        seen = int(event.get("seq", seen))
+                        yield event
+                        if event.get("event") == "finish":
+                            return
+                return
+            except (httpx.RemoteProtocolError, httpx.ReadError):
+                continue  # the connection dropped: resume where we were
+
+
+async def _parse_sse(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]:
+    data: list[str] = []
+    async for line in lines:
+        if line.startswith("data:"):
+            data.append(line[5:].lstrip())
+        elif not line and data:
+            yield json.loads("\n".join(data))
+            data = []
+
+
+class _Loop:
+    """A private event loop on a daemon thread, so the sync client can drive the async one."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="turnout-client", daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+
+
+class TaskHandle:
+    def __init__(self, client: Client, handle: AsyncTaskHandle) -> None:
+        self._client = client
+        self._handle = handle
+        self.id = handle.id
+
+    @property
+    def task(self) -> dict[str, Any]:
+        return self._handle.task
+
+    def result(self, timeout: float | None = None) -> dict[str, Any]:
+        return self._client._run(self._handle.result(timeout))
+
+    def cancel(self) -> dict[str, Any]:
+        return self._client._run(self._handle.cancel())
+
+    def events(self, after: int = 0) -> Iterator[dict[str, Any]]:
+        agen = self._handle.events(after)
+        while True:
+            try:
+                yield self._client._run(agen.__anext__())
+            except StopAsyncIteration:
+                return
+
+
+class Client:
+    """Blocking facade over `AsyncClient`: the same methods, one implementation."""
+
+    def __init__(self, url: str | None = None, token: str | None = None, *, timeout_s: float = 30.0) -> None:
+        self._loop = _Loop()
+        self._async = self._loop.run(_make_async(url, token, timeout_s))
+        self.url = self._async.url
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self._loop.run(coro)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._run(self._async.aclose())
+        self._loop.close()
+
+    def submit(self, capability: str, input: Any = None, *, gpu: str | bool = "auto", **options: Any) -> TaskHandle:
+        return TaskHandle(self, self._run(self._async.submit(capability, input, gpu=gpu, **options)))
+
+    def submit_batch(self, tasks: list[dict[str, Any]]) -> list[TaskHandle]:
+        return [TaskHandle(self, h) for h in self._run(self._async.submit_batch(tasks))]
+
+    def task(self, task_id: str) -> TaskHandle:
+        return TaskHandle(self, AsyncTaskHandle(self._async, {"id": task_id}))
+
+    def __getattr__(self, name: str) -> Any:
+        """get_task, get_result, cancel, tasks, workers, capabilities, run_pipeline: run the async twin."""
+        method = getattr(self._async, name)
+        if not asyncio.iscoroutinefunction(method):
+            raise AttributeError(name)
+        return lambda *a, **kw: self._run(method(*a, **kw))
+
+
+async def _make_async(url: str | None, token: str | None, timeout_s: float) -> AsyncClient:
+    return AsyncClient(url, token, timeout_s=timeout_s)

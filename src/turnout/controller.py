@@ -1,0 +1,479 @@
+"""The controller's orchestration: every state change goes through here, and nothing here decides alone.
+
+Routing rules live in `routing.py`, GPU placement in `gpu/allocation.py`, durability in the store. This
+module gathers the facts those need, calls them, and writes the outcome. All methods are synchronous and
+run on the API's single database thread, so within one controller they never interleave; across
+controllers (PostgreSQL) the store's conditional updates keep them honest.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from turnout.config import ControllerSettings
+from turnout.errors import Conflict, InvalidInput, NotFound
+from turnout.gpu.allocation import (
+    GpuGrant,
+    GpuRequest,
+    Strategy,
+    add_grant,
+    allocate,
+    fits_ever,
+    usage_from_grants,
+)
+from turnout.gpu.devices import GpuDevice, GpuUnit, MigDevice, units_of
+from turnout.models import (
+    ACTIVE_STATES,
+    Completion,
+    Device,
+    Lease,
+    Task,
+    TaskSpec,
+    TaskState,
+    Variant,
+    Worker,
+    WorkerState,
+)
+from turnout.resources import Resources
+from turnout.routing import ClusterView, WorkerOffer, route, servable
+from turnout.store import SqlStore
+
+log = logging.getLogger("turnout.controller")
+
+ACTIVE = tuple(ACTIVE_STATES)
+LIVE_WORKER_STATES = (WorkerState.HEALTHY, WorkerState.DRAINING)
+RETRYABLE_ERRORS = frozenset({"gpu_oom", "worker_lost"})
+
+
+def new_id(prefix: str) -> str:
+    """Time-ordered ids: listing newest first is ordering by id."""
+    return f"{prefix}{int(time.time() * 1000):012x}{secrets.token_hex(6)}"
+
+
+@dataclass
+class _Room:
+    """What a worker has free while one lease request is being filled."""
+
+    cpu: float
+    memory_bytes: int
+    units: list[GpuUnit]
+    usage: dict[str, Any]
+    strategy: Strategy
+
+
+@dataclass(frozen=True)
+class LeaseResult:
+    leases: list[Lease] = field(default_factory=list)
+    cancel: list[str] = field(default_factory=list)  # task ids the worker must stop
+
+
+def devices_from_dicts(gpus: Iterable[dict[str, Any]]) -> list[GpuDevice]:
+    out = []
+    for g in gpus:
+        migs = tuple(MigDevice(**m) for m in g.get("mig_devices") or ())
+        out.append(GpuDevice(**{**g, "mig_devices": migs}))
+    return out
+
+
+class Controller:
+    def __init__(self, store: SqlStore, settings: ControllerSettings, *, clock: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self.settings = settings
+        self.clock = clock
+
+    # ---- tasks -------------------------------------------------------------------------------
+
+    def submit(self, tenant: str, specs: Sequence[TaskSpec]) -> list[Task]:
+        now = self.clock()
+        tasks = [
+            Task(id=new_id("t_"), tenant=tenant, spec=s, state=TaskState.QUEUED, created_at=now, queued_at=now)
+            for s in specs
+        ]
+        return self.store.insert_tasks(tasks)
+
+    def get_task(self, tenant: str | None, task_id: str) -> Task:
+        task = self.store.get_task(task_id)
+        if task is None or (tenant is not None and task.tenant != tenant):
+            raise NotFound(f"task {task_id} not found", field="id")
+        return task
+
+    def list_tasks(self, tenant: str | None, **filters: Any) -> list[Task]:
+        return self.store.list_tasks(tenant=tenant, **filters)
+
+    def cancel(self, tenant: str | None, task_id: str) -> Task:
+        task = self.get_task(tenant, task_id)
+        if task.state.terminal:
+            raise Conflict(f"task {task_id} already {task.state.value}", field="id")
+        now = self.clock()
+        changed = self.store.update_tasks(
+            [(task_id, (TaskState.QUEUED, *ACTIVE), None,
+              {"state": TaskState.CANCELLED, "finished_at": now, "error": {"type": "cancelled", "message": "cancelled by request"}})]
+        )  # fmt: skip
+        if changed:
+            self._audit("cancel", task.tenant, {"task": task_id, "worker": task.worker_id})
+            self._audit_release(task, now)
+        return self.get_task(tenant, task_id)
+
+    # ---- workers -----------------------------------------------------------------------------
+
+    def register_worker(
+        self,
+        *,
+        name: str,
+        host: str,
+        variants: Sequence[Variant],
+        cpu: float,
+        memory_bytes: int,
+        gpus: Sequence[dict[str, Any]],
+        strategy: str,
+        heartbeat_s: float | None = None,
+        worker_id: str | None = None,
+    ) -> Worker:
+        now = self.clock()
+        worker = Worker(
+            id=worker_id or new_id("w_"), name=name, host=host, state=WorkerState.HEALTHY, variants=tuple(variants),
+            cpu=cpu, memory_bytes=memory_bytes, gpus=tuple(gpus), strategy=strategy, registered_at=now,
+            last_heartbeat=now, heartbeat_s=heartbeat_s or self.settings.heartbeat_s,
+        )  # fmt: skip
+        self.store.upsert_worker(worker)
+        self._audit("worker_registered", None, {"worker": worker.id, "name": name, "host": host,
+                                                 "gpus": [g.get("uuid") for g in gpus]})  # fmt: skip
+        return worker
+
+    def heartbeat(
+        self, worker_id: str, *, metrics: dict[str, Any] | None = None, quarantined: dict[str, str] | None = None
+    ) -> Worker:
+        worker = self._worker(worker_id)
+        if worker.state is WorkerState.GONE:
+            raise NotFound(f"worker {worker_id} has left; register again", field="worker")
+        values: dict[str, Any] = {"last_heartbeat": self.clock()}
+        if metrics is not None:
+            values["metrics"] = metrics
+        if quarantined is not None:
+            values["quarantined"] = quarantined
+        if worker.state is WorkerState.UNHEALTHY:
+            values["state"] = WorkerState.HEALTHY.value  # it came back; its old leases were already re-queued
+        self.store.update_worker(worker_id, **values)
+        return replace(worker, last_heartbeat=values["last_heartbeat"])
+
+    def drain(self, worker_id: str) -> Worker:
+        self._worker(worker_id)
+        self.store.update_worker(worker_id, (WorkerState.HEALTHY, WorkerState.UNHEALTHY), state=WorkerState.DRAINING.value)
+        return self._worker(worker_id)
+
+    def deregister(self, worker_id: str) -> None:
+        """A worker leaving cleanly: its unfinished tasks go back to the queue at once."""
+        self._worker(worker_id)
+        self.store.update_worker(worker_id, state=WorkerState.GONE.value)
+        self._requeue_lost(self.store.active_tasks([worker_id]), "worker left")
+
+    def workers(self) -> list[Worker]:
+        return self.store.list_workers()
+
+    def _worker(self, worker_id: str) -> Worker:
+        worker = self.store.get_worker(worker_id)
+        if worker is None:
+            raise NotFound(f"worker {worker_id} not found", field="worker")
+        return worker
+
+    # ---- leasing -----------------------------------------------------------------------------
+
+    def lease(self, worker_id: str, *, max_tasks: int, running: Sequence[str] = ()) -> LeaseResult:
+        """Give the worker queued tasks that fit its free resources, routed per their `gpu` value.
+
+        `running` is what the worker believes it runs: anything there that is no longer its active lease
+        (cancelled, timed out, re-queued after it was thought lost) comes back in `cancel`.
+        """
+        now = self.clock()
+        worker = self._worker(worker_id)
+        if worker.state is WorkerState.GONE:
+            raise NotFound(f"worker {worker_id} has left; register again", field="worker")
+        active = self.store.active_tasks([worker_id])
+        mine = {t.id: t for t in active if t.worker_id == worker_id}
+        cancel = [tid for tid in running if tid not in mine]
+        started = [t for t in mine.values() if t.state is TaskState.LEASED and t.id in set(running)]
+        if started:
+            self.store.update_tasks(
+                [(t.id, (TaskState.LEASED,), t.attempts, {"state": TaskState.RUNNING, "started_at": now}) for t in started]
+            )
+        if worker.state is not WorkerState.HEALTHY or max_tasks <= 0:
+            return LeaseResult([], cancel)
+        room = self._room(worker, list(mine.values()))
+        workers = [w for w in self.store.list_workers() if w.state is WorkerState.HEALTHY]
+        caps = {v.capability for v in worker.variants}
+        leases: list[Lease] = []
+        updates = []
+        cluster_cache: dict[tuple[str, str], ClusterView] = {}
+        for task in self.store.queued_tasks(caps, limit=self.settings.lease_window):
+            if len(leases) >= max_tasks:
+                break
+            offered = worker.offers(task.spec.capability)
+            cpu_res = _needs(offered.get(Device.CPU), task)
+            gpu_res = _needs(offered.get(Device.GPU), task)
+            grant = self._try_gpu(room, gpu_res, task) if gpu_res else None
+            offer = WorkerOffer(
+                cpu_variant=cpu_res is not None, gpu_variant=gpu_res is not None,
+                cpu_fits=cpu_res is not None and _fits(room, cpu_res), gpu_fits=grant is not None,
+            )  # fmt: skip
+            key = (task.spec.capability, repr(task.spec.resources))
+            if key not in cluster_cache:
+                cluster_cache[key] = self._cluster_view(workers, task)
+            decision = route(task.spec.gpu, now - (task.queued_at or task.created_at), task.spec.gpu_wait_s,
+                             offer, cluster_cache[key])  # fmt: skip
+            if decision is None:
+                continue
+            res = gpu_res if decision.device is Device.GPU else cpu_res
+            assert res is not None  # route() only picks a device whose variant fits
+            room.cpu -= res.cpu
+            room.memory_bytes -= res.memory_bytes
+            grant_dict = None
+            alloc: dict[str, Any] = {"cpu": res.cpu, "memory": res.memory_bytes}
+            if decision.device is Device.GPU and grant is not None:
+                room.usage = add_grant(room.usage, grant, _workload(task))
+                grant_dict = grant.to_dict()
+                alloc["gpu_share"] = _gpu_share(grant, room.units)
+            routing = {"requested": task.spec.gpu.value, "device": decision.device.value, "reason": decision.reason}
+            values = {
+                "state": TaskState.LEASED, "worker_id": worker_id, "device": decision.device, "gpus": grant_dict,
+                "gpu_model": grant.model if grant_dict and grant else None, "routing": routing, "leased_at": now,
+                "attempts": task.attempts + 1, "unservable_since": None,
+                "alloc": alloc,
+            }  # fmt: skip
+            updates.append((task.id, (TaskState.QUEUED,), task.attempts, values))
+            leased = replace(task, state=TaskState.LEASED, worker_id=worker_id, device=decision.device,
+                             gpus=grant_dict, routing=routing, attempts=task.attempts + 1, leased_at=now)  # fmt: skip
+            leases.append(Lease(leased, decision.device, res, grant_dict))
+        if updates:
+            won = set(self.store.update_tasks(updates))
+            leases = [lease for lease in leases if lease.task.id in won]
+            self._audit_allocations(worker_id, [lease for lease in leases if lease.grant], now)
+        return LeaseResult(leases, cancel)
+
+    def _room(self, worker: Worker, active: Sequence[Task]) -> _Room:
+        units = units_of(devices_from_dicts(worker.gpus), frozenset(worker.quarantined))
+        grants = [(GpuGrant.from_dict(t.gpus), _workload(t)) for t in active if t.gpus]
+        cpu = worker.cpu - sum(float((t.alloc or {}).get("cpu", 0)) for t in active)
+        memory = worker.memory_bytes - sum(int((t.alloc or {}).get("memory", 0)) for t in active)
+        return _Room(cpu, memory, units, usage_from_grants(grants), _strategy(worker.strategy))
+
+    def _try_gpu(self, room: _Room, res: Resources, task: Task) -> GpuGrant | None:
+        if not _fits(room, res) or not room.units:
+            return None
+        avoid = set((task.routing or {}).get("avoid_gpus", ()))
+        units = [u for u in room.units if u.uuid not in avoid and u.parent_uuid not in avoid] if avoid else room.units
+        return allocate(GpuRequest.from_resources(res, _workload(task)), units, room.usage, room.strategy)
+
+    def _cluster_view(self, workers: Sequence[Worker], task: Task) -> ClusterView:
+        gpu_possible = cpu_possible = False
+        for w in workers:
+            offered = w.offers(task.spec.capability)
+            cpu_res = _needs(offered.get(Device.CPU), task)
+            gpu_res = _needs(offered.get(Device.GPU), task)
+            if cpu_res and cpu_res.cpu <= w.cpu and cpu_res.memory_bytes <= w.memory_bytes:
+                cpu_possible = True
+            if gpu_res and gpu_res.cpu <= w.cpu and gpu_res.memory_bytes <= w.memory_bytes:
+                units = units_of(devices_from_dicts(w.gpus), frozenset(w.quarantined))
+                if fits_ever(GpuRequest.from_resources(gpu_res, _workload(task)), units):
+                    gpu_possible = True
+        return ClusterView(gpu_possible=gpu_possible, cpu_possible=cpu_possible)
+
+    # ---- results -----------------------------------------------------------------------------
+
+    def complete(self, worker_id: str, completions: Sequence[Completion]) -> tuple[list[str], list[str]]:
+        """Commit results; returns (accepted, refused). Only the current attempt's report counts."""
+        now = self.clock()
+        tasks = {t.id: t for t in self.store.get_tasks(c.task_id for c in completions)}
+        updates = []
+        finished: list[Task] = []
+        requeue: list[tuple[Task, dict[str, Any]]] = []
+        for c in completions:
+            t = tasks.get(c.task_id)
+            if t is None or t.worker_id != worker_id or t.attempts != c.attempt or t.state not in ACTIVE_STATES:
+                continue
+            started = c.started_at or t.started_at or t.leased_at
+            run_s = c.run_s if c.run_s is not None else (now - started if started else None)
+            values: dict[str, Any] = {"finished_at": now, "run_s": run_s, "started_at": started,
+                                      "cost_usd": self._cost(t, run_s)}  # fmt: skip
+            if c.succeeded:
+                values.update(state=TaskState.SUCCEEDED, output=c.output, error=None)
+            else:
+                error = dict(c.error or {"type": "error", "message": "failed"})
+                if error.get("type") in RETRYABLE_ERRORS and t.attempts <= t.spec.max_retries:
+                    requeue.append((t, error))
+                    continue
+                values.update(state=TaskState.FAILED, error=error)
+            updates.append((t.id, ACTIVE, c.attempt, values))
+            finished.append(t)
+        accepted = self.store.update_tasks(updates)
+        accepted += self._requeue(requeue, now)
+        done = set(accepted)
+        for t in finished:
+            if t.id in done:
+                self._audit_release(t, now)
+        return accepted, [c.task_id for c in completions if c.task_id not in done]
+
+    def _cost(self, task: Task, run_s: float | None) -> float | None:
+        if run_s is None or task.device is None:
+            return None
+        price = self.settings.prices.per_second(task.device.value, task.gpu_model)
+        if price is None:
+            return None
+        share = float((task.alloc or {}).get("gpu_share", 1.0)) if task.device is Device.GPU else 1.0
+        return round(run_s * price * share, 8)
+
+    def _requeue(self, items: Sequence[tuple[Task, dict[str, Any]]], now: float) -> list[str]:
+        updates = []
+        for t, error in items:
+            routing = dict(t.routing or {})
+            if error.get("type") == "gpu_oom" and t.gpus:
+                # do not try the same GPU blindly: remember it, and how much memory was not enough
+                grant = GpuGrant.from_dict(t.gpus)
+                routing["avoid_gpus"] = sorted(set(routing.get("avoid_gpus", [])) | set(grant.uuids))
+                routing["min_gpu_memory"] = max(routing.get("min_gpu_memory", 0), grant.memory_bytes + 1)
+            routing["last_error"] = error
+            values = {"state": TaskState.QUEUED, "worker_id": None, "device": None, "gpus": None, "gpu_model": None,
+                      "queued_at": now, "routing": routing, "alloc": None}  # fmt: skip
+            updates.append((t.id, ACTIVE, t.attempts, values))
+        done = self.store.update_tasks(updates)
+        for t, _ in items:
+            if t.id in done:
+                self._audit_release(t, now)
+        return done
+
+    def _requeue_lost(self, tasks: Sequence[Task], why: str) -> list[str]:
+        now = self.clock()
+        retry = [t for t in tasks if t.attempts <= t.spec.max_retries]
+        give_up = [t for t in tasks if t.attempts > t.spec.max_retries]
+        error = {"type": "worker_lost", "message": f"{why}; attempts used up"}
+        done = self._requeue([(t, {"type": "worker_lost", "message": why}) for t in retry], now)
+        failed = self.store.update_tasks(
+            [(t.id, ACTIVE, t.attempts, {"state": TaskState.FAILED, "error": error, "finished_at": now}) for t in give_up]
+        )
+        for t in give_up:
+            if t.id in failed:
+                self._audit_release(t, now)
+        return done + failed
+
+    # ---- the periodic sweep ------------------------------------------------------------------
+
+    def reap(self) -> bool:
+        """Mark silent workers unhealthy, re-queue their tasks, time out overdue tasks, fail unplaceable ones.
+
+        Returns whether anything changed (so waiting clients and workers should look again).
+        """
+        now = self.clock()
+        changed = False
+        workers = self.store.list_workers()
+        for w in workers:
+            if w.state in LIVE_WORKER_STATES and now - w.last_heartbeat > 3 * w.heartbeat_s:
+                if self.store.update_worker(w.id, LIVE_WORKER_STATES, state=WorkerState.UNHEALTHY.value):
+                    log.warning("worker %s (%s) missed three heartbeats: unhealthy", w.id, w.name)
+                    changed = True
+        by_id = {w.id: w for w in self.store.list_workers(include_gone=True)}
+        lost: list[Task] = []
+        overdue = []
+        for t in self.store.active_tasks():
+            w = by_id.get(t.worker_id or "")
+            if w is None or w.state in (WorkerState.UNHEALTHY, WorkerState.GONE):
+                lost.append(t)
+                continue
+            since = t.started_at or t.leased_at
+            if t.spec.timeout_s is not None and since is not None and now - since > t.spec.timeout_s + w.heartbeat_s:
+                error = {"type": "timeout", "message": f"ran longer than timeout_s={t.spec.timeout_s:g}"}
+                overdue.append((t.id, ACTIVE, t.attempts, {"state": TaskState.FAILED, "error": error,
+                                                            "finished_at": now, "run_s": now - since}))  # fmt: skip
+        if lost:
+            changed |= bool(self._requeue_lost(lost, "worker stopped heartbeating"))
+        if overdue:
+            changed |= bool(self.store.update_tasks(overdue))
+        changed |= self._expire_unplaceable(now, [w for w in workers if w.state is WorkerState.HEALTHY])
+        return changed
+
+    def _expire_unplaceable(self, now: float, healthy: Sequence[Worker]) -> bool:
+        updates = []
+        for t in self.store.queued_tasks(limit=10_000):
+            ok = servable(t.spec.gpu, self._cluster_view(healthy, t))
+            if ok and t.unservable_since is not None:
+                updates.append((t.id, (TaskState.QUEUED,), t.attempts, {"unservable_since": None}))
+            elif not ok and t.unservable_since is None:
+                updates.append((t.id, (TaskState.QUEUED,), t.attempts, {"unservable_since": now}))
+            elif not ok and t.unservable_since is not None and now - t.unservable_since >= t.spec.placement_timeout_s:
+                error = {"type": "no_capacity",
+                         "message": f"no live worker offers a variant of {t.spec.capability!r} that gpu={t.spec.gpu.value} "
+                                    f"allows and that fits, for {t.spec.placement_timeout_s:g} s"}  # fmt: skip
+                updates.append((t.id, (TaskState.QUEUED,), t.attempts,
+                                {"state": TaskState.FAILED, "error": error, "finished_at": now}))  # fmt: skip
+        return any(u[3].get("state") is TaskState.FAILED for u in updates if u[0] in set(self.store.update_tasks(updates)))
+
+    # ---- events and audit --------------------------------------------------------------------
+
+    def append_events(self, worker_id: str, items: Sequence[tuple[str, int, dict[str, Any]]]) -> dict[str, int]:
+        """Store events a worker sent for its current attempts; events for stale attempts are dropped."""
+        now = self.clock()
+        tasks = {t.id: t for t in self.store.get_tasks({tid for tid, _, _ in items})}
+        keep = [(tid, now, body) for tid, attempt, body in items
+                if (t := tasks.get(tid)) and t.worker_id == worker_id and t.attempts == attempt]  # fmt: skip
+        started = [t for t in tasks.values() if t.state is TaskState.LEASED and t.worker_id == worker_id]
+        if started:
+            self.store.update_tasks(
+                [(t.id, (TaskState.LEASED,), t.attempts, {"state": TaskState.RUNNING, "started_at": now}) for t in started]
+            )
+        return self.store.append_events(keep) if keep else {}
+
+    def _audit(self, kind: str, tenant: str | None, body: dict[str, Any]) -> None:
+        self.store.append_audit([(self.clock(), kind, tenant, body)])
+
+    def _audit_allocations(self, worker_id: str, leases: Sequence[Lease], now: float) -> None:
+        self.store.append_audit(
+            [(now, "gpu_allocated", lease.task.tenant,
+              {"task": lease.task.id, "worker": worker_id, "gpus": list((lease.grant or {}).get("uuids", [])),
+               "memory_bytes": (lease.grant or {}).get("memory_bytes"), "start": now}) for lease in leases]
+        )  # fmt: skip
+
+    def _audit_release(self, task: Task, now: float) -> None:
+        if task.gpus:
+            self._audit("gpu_released", task.tenant, {"task": task.id, "worker": task.worker_id,
+                                                      "gpus": list(task.gpus.get("uuids", [])),
+                                                      "memory_bytes": task.gpus.get("memory_bytes"),
+                                                      "start": task.leased_at, "end": now})  # fmt: skip
+
+
+def _needs(variant: Variant | None, task: Task) -> Resources | None:
+    """The variant's requirement with the task's own overrides; None if the worker lacks the variant."""
+    if variant is None:
+        return None
+    res = variant.resources.merged(task.spec.resources, task.spec.resource_keys)
+    if variant.device is Device.CPU and res.wants_gpu:
+        res = replace(res, gpu=0, gpu_memory_bytes=None, gpu_models=(), min_compute_capability=None)
+    min_mem = (task.routing or {}).get("min_gpu_memory")
+    if variant.device is Device.GPU and min_mem and res.is_shared_gpu:
+        res = replace(res, gpu=0, gpu_memory_bytes=max(res.gpu_memory_bytes or 0, int(min_mem)))
+    return res
+
+
+def _fits(room: _Room, res: Resources) -> bool:
+    return res.cpu <= room.cpu + 1e-9 and res.memory_bytes <= room.memory_bytes
+
+
+def _workload(task: Task) -> str | None:
+    return task.spec.labels.get("workload") if task.spec.labels else None
+
+
+def _strategy(name: str) -> Strategy:
+    try:
+        return Strategy(name)
+    except ValueError:
+        raise InvalidInput(f"strategy: {name!r} is not pack or spread", field="strategy") from None
+
+
+def _gpu_share(grant: GpuGrant, units: Sequence[GpuUnit]) -> float:
+    """How many GPUs' worth a grant holds: whole units count 1 each, a shared one its memory fraction."""
+    if grant.exclusive:
+        return float(len(grant.uuids))
+    total = sum(u.memory_bytes for u in units if u.uuid in grant.uuids)
+    return grant.memory_bytes / total if total else 1.0

@@ -1,0 +1,189 @@
+"""The vocabulary: task states, routing modes, and the frozen records the controller passes around.
+
+Records here are what the store returns and the controller decides on; the wire format (pydantic) lives
+in `api/schemas.py` and translates to and from these in one place.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from turnout.errors import InvalidInput
+from turnout.resources import Resources
+
+CAPABILITY_NAME = re.compile(r"^[a-z][a-z0-9_.-]{0,63}$")
+
+
+def check_capability_name(name: Any, field_name: str = "capability") -> str:
+    if not isinstance(name, str) or not CAPABILITY_NAME.match(name):
+        raise InvalidInput(
+            f"{field_name}: {name!r} is not a capability name (lowercase letter first, then a-z 0-9 _ . -, at most 64)",
+            field=field_name,
+        )
+    return name
+
+
+class TaskState(str, enum.Enum):
+    QUEUED = "queued"
+    LEASED = "leased"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+
+TERMINAL_STATES = frozenset({TaskState.SUCCEEDED, TaskState.FAILED, TaskState.CANCELLED})
+ACTIVE_STATES = frozenset({TaskState.LEASED, TaskState.RUNNING})
+
+
+class GpuMode(str, enum.Enum):
+    """The `gpu` field of a task: how much it wants a GPU."""
+
+    PREFER = "prefer"
+    NEVER = "never"
+    REQUIRE = "require"
+    AUTO = "auto"
+
+    @classmethod
+    def parse(cls, value: Any, field_name: str = "gpu") -> GpuMode:
+        if value is True:
+            return cls.PREFER
+        if value is False:
+            return cls.NEVER
+        if value is None:
+            return cls.AUTO
+        try:
+            return cls(value)
+        except ValueError:
+            raise InvalidInput(
+                f"{field_name}: expected one of prefer, never, require, auto, true, false; got {value!r}",
+                field=field_name,
+            ) from None
+
+
+class Device(str, enum.Enum):
+    CPU = "cpu"
+    GPU = "gpu"
+
+
+class WorkerState(str, enum.Enum):
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"
+    DRAINING = "draining"
+    GONE = "gone"
+
+
+class Role(str, enum.Enum):
+    ADMIN = "admin"
+    SUBMIT = "submit"
+    WORKER = "worker"
+    READ = "read"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One implementation of a capability for a device class, as a worker registers it."""
+
+    capability: str
+    device: Device
+    resources: Resources
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"capability": self.capability, "device": self.device.value, "resources": self.resources.to_dict()}
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """A validated submission, before it has an id."""
+
+    capability: str
+    input: Any
+    gpu: GpuMode = GpuMode.AUTO
+    gpu_wait_s: float = 10.0
+    resources: Resources | None = None
+    resource_keys: frozenset[str] = frozenset()  # which keys the task set itself
+    priority: int = 0
+    timeout_s: float | None = None
+    placement_timeout_s: float = 60.0
+    max_retries: int = 2
+    idempotency_key: str | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Task:
+    """A task as stored. Times are epoch seconds (UTC); the API renders them as ISO 8601."""
+
+    id: str
+    tenant: str
+    spec: TaskSpec
+    state: TaskState
+    created_at: float
+    attempts: int = 0
+    output: Any = None
+    error: dict[str, Any] | None = None
+    worker_id: str | None = None
+    device: Device | None = None
+    gpus: dict[str, Any] | None = None  # the GpuGrant while it runs, kept after for the record
+    gpu_model: str | None = None
+    routing: dict[str, Any] | None = None
+    queued_at: float | None = None
+    leased_at: float | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    run_s: float | None = None
+    cost_usd: float | None = None
+    unservable_since: float | None = None
+    pipeline_run_id: str | None = None
+    alloc: dict[str, Any] | None = None  # CPU, memory and GPU share held while leased or running
+
+
+@dataclass(frozen=True)
+class Worker:
+    id: str
+    name: str
+    host: str
+    state: WorkerState
+    variants: tuple[Variant, ...]
+    cpu: float
+    memory_bytes: int
+    gpus: tuple[dict[str, Any], ...]  # GpuDevice dicts, as discovered
+    strategy: str
+    registered_at: float
+    last_heartbeat: float
+    heartbeat_s: float
+    metrics: dict[str, Any] = field(default_factory=dict)  # live readings from the last heartbeat
+    quarantined: dict[str, str] = field(default_factory=dict)  # GPU uuid -> reason
+
+    def offers(self, capability: str) -> dict[Device, Variant]:
+        return {v.device: v for v in self.variants if v.capability == capability}
+
+
+@dataclass(frozen=True)
+class Lease:
+    """What a worker receives for one task: everything it needs to run it."""
+
+    task: Task
+    device: Device
+    resources: Resources
+    grant: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A worker's report that one attempt of a task ended."""
+
+    task_id: str
+    attempt: int
+    succeeded: bool
+    output: Any = None
+    error: dict[str, Any] | None = None
+    run_s: float | None = None
+    started_at: float | None = None

@@ -1,0 +1,117 @@
+"""The one place that wires concrete parts: a store, a controller, the API app, a worker agent.
+
+The CLI, the tests and the benchmarks all build Turnout through these functions, so there is one way to
+start it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from turnout.api.app import create_app
+from turnout.api.service import Service
+from turnout.auth import TokenBook, hash_token, write_admin_token
+from turnout.config import controller_settings
+from turnout.controller import Controller
+from turnout.errors import InvalidInput
+from turnout.store import open_store
+
+log = logging.getLogger("turnout")
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def default_home() -> Path:
+    return Path(os.environ.get("TURNOUT_HOME") or "~/.turnout").expanduser()
+
+
+def default_db(home: Path) -> str:
+    return os.environ.get("TURNOUT_DB") or f"sqlite:///{home / 'turnout.db'}"
+
+
+@dataclass
+class ControllerParts:
+    service: Service
+    admin_token: str | None  # set when one was created or read from the home directory
+
+
+def build_controller(
+    *,
+    db: str,
+    home: Path,
+    config: Path | None = None,
+    auth: bool = True,
+    host: str = "127.0.0.1",
+    heartbeat_s: float = 5.0,
+    fresh_admin_token: bool = False,
+) -> ControllerParts:
+    if not auth and host not in LOOPBACK:
+        raise InvalidInput(f"--no-auth is refused unless the controller listens on loopback only (not {host})", field="no-auth")
+    settings = controller_settings(config, heartbeat_s=heartbeat_s)
+    store = open_store(db)
+    tokens = TokenBook(store)
+    token = None
+    if auth:
+        token = _admin_token(store, tokens, home, fresh_admin_token)
+    return ControllerParts(Service(Controller(store, settings), tokens, auth=auth), token)
+
+
+def _admin_token(store: object, tokens: TokenBook, home: Path, fresh: bool) -> str | None:
+    """Reuse the token in $TURNOUT_HOME/admin.token when it is valid here; else make one (if asked, or none exist)."""
+    path = home / "admin.token"
+    if path.exists():
+        existing = path.read_text().strip()
+        row = tokens.store.find_token(hash_token(existing))
+        if row and row["revoked_at"] is None and row["role"] == "admin":
+            return existing
+    if fresh or tokens.store.count_tokens() == 0:
+        _, token = tokens.create("admin", "default")
+        write_admin_token(home, token)
+        return token
+    return None
+
+
+def serve(service: Service, *, host: str, port: int, tls_cert: Path | None = None, tls_key: Path | None = None) -> None:
+    """Run the API until SIGINT/SIGTERM."""
+    import uvicorn
+
+    app = create_app(service)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                            ssl_certfile=str(tls_cert) if tls_cert else None,
+                            ssl_keyfile=str(tls_key) if tls_key else None, timeout_graceful_shutdown=3)  # fmt: skip
+    uvicorn.Server(config).run()
+
+
+def wait_healthy(url: str, timeout_s: float = 20.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/healthz", timeout=1.0, verify=False).status_code == 200:
+                return True
+        time.sleep(0.05)
+    return False
+
+
+def run_agent_until_signalled(agent: object) -> None:
+    """Run a worker agent until SIGINT/SIGTERM, then drain and leave."""
+    from turnout.worker.agent import Agent
+
+    assert isinstance(agent, Agent)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await agent.run(stop)
+
+    asyncio.run(main())

@@ -1,0 +1,108 @@
+"""The tables, shared by every SQL backend (SQLAlchemy Core keeps SQLite and PostgreSQL on one schema).
+
+Times are epoch seconds in floating point columns: cheap to compare in SQL on both backends.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+metadata = sa.MetaData()
+
+tasks = sa.Table(
+    "tasks",
+    metadata,
+    sa.Column("id", sa.String(40), primary_key=True),
+    sa.Column("tenant", sa.String(64), nullable=False),
+    sa.Column("capability", sa.String(64), nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("input", sa.JSON),
+    sa.Column("output", sa.JSON),
+    sa.Column("error", sa.JSON),
+    sa.Column("gpu_mode", sa.String(16), nullable=False),
+    sa.Column("gpu_wait_s", sa.Float, nullable=False),
+    sa.Column("resources", sa.JSON),  # the task's own overrides, as given
+    sa.Column("priority", sa.Integer, nullable=False, default=0),
+    sa.Column("timeout_s", sa.Float),
+    sa.Column("placement_timeout_s", sa.Float, nullable=False),
+    sa.Column("max_retries", sa.Integer, nullable=False),
+    sa.Column("idempotency_key", sa.String(200)),
+    sa.Column("labels", sa.JSON),
+    sa.Column("attempts", sa.Integer, nullable=False, default=0),
+    sa.Column("worker_id", sa.String(40)),
+    sa.Column("device", sa.String(8)),
+    sa.Column("gpus", sa.JSON),
+    sa.Column("gpu_model", sa.String(128)),
+    sa.Column("alloc", sa.JSON),  # resources held while leased/running: cpu, memory
+    sa.Column("routing", sa.JSON),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("queued_at", sa.Float),
+    sa.Column("leased_at", sa.Float),
+    sa.Column("started_at", sa.Float),
+    sa.Column("finished_at", sa.Float),
+    sa.Column("run_s", sa.Float),
+    sa.Column("cost_usd", sa.Float),
+    sa.Column("unservable_since", sa.Float),
+    sa.Column("pipeline_run_id", sa.String(40)),
+    sa.Index("ix_tasks_queue", "state", "capability", "priority", "created_at"),
+    sa.Index("ix_tasks_worker", "worker_id", "state"),
+    sa.Index("ix_tasks_tenant", "tenant", "id"),
+    sa.Index("ux_tasks_idempotency", "tenant", "idempotency_key", unique=True),
+)
+
+workers = sa.Table(
+    "workers",
+    metadata,
+    sa.Column("id", sa.String(40), primary_key=True),
+    sa.Column("name", sa.String(128), nullable=False),
+    sa.Column("host", sa.String(256), nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("variants", sa.JSON, nullable=False),
+    sa.Column("cpu", sa.Float, nullable=False),
+    sa.Column("memory_bytes", sa.BigInteger, nullable=False),
+    sa.Column("gpus", sa.JSON, nullable=False),
+    sa.Column("strategy", sa.String(16), nullable=False),
+    sa.Column("registered_at", sa.Float, nullable=False),
+    sa.Column("last_heartbeat", sa.Float, nullable=False),
+    sa.Column("heartbeat_s", sa.Float, nullable=False),
+    sa.Column("metrics", sa.JSON),
+    sa.Column("quarantined", sa.JSON),
+)
+
+tokens = sa.Table(
+    "tokens",
+    metadata,
+    sa.Column("id", sa.String(40), primary_key=True),
+    sa.Column("hash", sa.String(64), nullable=False, unique=True),
+    sa.Column("role", sa.String(16), nullable=False),
+    sa.Column("tenant", sa.String(64), nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("revoked_at", sa.Float),
+)
+
+events = sa.Table(
+    "events",
+    metadata,
+    sa.Column("task_id", sa.String(40), primary_key=True),
+    sa.Column("seq", sa.Integer, primary_key=True),
+    sa.Column("ts", sa.Float, nullable=False),
+    sa.Column("body", sa.JSON, nullable=False),
+)
+
+audit = sa.Table(
+    "audit",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("ts", sa.Float, nullable=False),
+    sa.Column("kind", sa.String(32), nullable=False),
+    sa.Column("tenant", sa.String(64)),
+    sa.Column("body", sa.JSON, nullable=False),
+)
+
+schema_migrations = sa.Table(
+    "schema_migrations",
+    metadata,
+    sa.Column("version", sa.Integer, primary_key=True),
+    sa.Column("name", sa.String(128), nullable=False),
+    sa.Column("applied_at", sa.Float, nullable=False),
+)

@@ -1,0 +1,355 @@
+"""The one I/O port for state: tasks, workers, tokens, events and audit records.
+
+Every method is one transaction, committed before it returns (SQLite: WAL with synchronous=FULL, so a
+commit is fsync'd; PostgreSQL: its own durable commit). State changes are conditional updates
+(`WHERE state IN (...) AND attempts = ...`), which is what makes a late or duplicate report harmless,
+and what lets several controllers share one PostgreSQL database.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from turnout.errors import InvalidInput
+from turnout.models import (
+    Device,
+    GpuMode,
+    Task,
+    TaskSpec,
+    TaskState,
+    Variant,
+    Worker,
+    WorkerState,
+)
+from turnout.resources import parse_resources
+from turnout.store import schema
+from turnout.store.migrations import migrate
+
+T = schema.tasks
+W = schema.workers
+
+
+def normalise_url(url: str) -> str:
+    """Accept `postgresql://` and `sqlite:///path` as users write them; pick the psycopg 3 driver."""
+    if url.startswith(("postgresql://", "postgres://")):
+        return "postgresql+psycopg://" + url.split("://", 1)[1]
+    if url.startswith(("sqlite://", "postgresql+psycopg://")):
+        return url
+    raise InvalidInput(f"db: {url!r} is not a sqlite:///PATH or postgresql:// URL", field="db")
+
+
+def open_store(url: str) -> SqlStore:
+    url = normalise_url(url)
+    if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
+        Path(url[len("sqlite:///") :]).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    return SqlStore(url)
+
+
+class SqlStore:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.dialect = url.split(":", 1)[0].split("+", 1)[0]
+        if self.dialect == "sqlite":
+            self.engine = sa.create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+            sa.event.listen(self.engine, "connect", _sqlite_pragmas)
+        else:
+            self.engine = sa.create_engine(url, pool_size=8, max_overflow=8, pool_pre_ping=True)
+        self.schema_version = migrate(self.engine)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # ---- tasks -------------------------------------------------------------------------------
+
+    def insert_tasks(self, tasks: Sequence[Task]) -> list[Task]:
+        """Insert new tasks; a task whose (tenant, idempotency_key) exists yields the stored one instead."""
+        keyed = [t for t in tasks if t.spec.idempotency_key]
+        with self.engine.begin() as conn:
+            existing: dict[tuple[str, str], Task] = {}
+            if keyed:
+                rows = conn.execute(
+                    sa.select(T).where(
+                        T.c.tenant.in_({t.tenant for t in keyed}),
+                        T.c.idempotency_key.in_({t.spec.idempotency_key for t in keyed}),
+                    )
+                )
+                existing = {(r.tenant, r.idempotency_key): _task(r) for r in rows}
+            out: list[Task] = []
+            fresh: list[dict[str, Any]] = []
+            for t in tasks:
+                key = (t.tenant, t.spec.idempotency_key or "")
+                if t.spec.idempotency_key and key in existing:
+                    out.append(existing[key])
+                    continue
+                if t.spec.idempotency_key:
+                    existing[key] = t
+                fresh.append(_task_row(t))
+                out.append(t)
+            if fresh:
+                conn.execute(T.insert(), fresh)
+        return out
+
+    def get_task(self, task_id: str) -> Task | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(T).where(T.c.id == task_id)).first()
+        return _task(row) if row else None
+
+    def get_tasks(self, task_ids: Iterable[str]) -> list[Task]:
+        ids = list(task_ids)
+        if not ids:
+            return []
+        with self.engine.connect() as conn:
+            return [_task(r) for r in conn.execute(sa.select(T).where(T.c.id.in_(ids)))]
+
+    def list_tasks(
+        self,
+        *,
+        tenant: str | None,
+        state: str | None = None,
+        capability: str | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+    ) -> list[Task]:
+        query = sa.select(T).order_by(T.c.id.desc()).limit(limit)
+        if tenant is not None:
+            query = query.where(T.c.tenant == tenant)
+        if state:
+            query = query.where(T.c.state == state)
+        if capability:
+            query = query.where(T.c.capability == capability)
+        if cursor:
+            query = query.where(T.c.id < cursor)
+        with self.engine.connect() as conn:
+            return [_task(r) for r in conn.execute(query)]
+
+    def queued_tasks(self, capabilities: Iterable[str] | None = None, limit: int = 500) -> list[Task]:
+        """Queued tasks, highest priority first, then oldest first."""
+        query = (
+            sa.select(T)
+            .where(T.c.state == TaskState.QUEUED.value)
+            .order_by(T.c.priority.desc(), T.c.created_at, T.c.id)
+            .limit(limit)
+        )
+        if capabilities is not None:
+            query = query.where(T.c.capability.in_(list(capabilities)))
+        with self.engine.connect() as conn:
+            return [_task(r) for r in conn.execute(query)]
+
+    def active_tasks(self, worker_ids: Iterable[str] | None = None) -> list[Task]:
+        query = sa.select(T).where(T.c.state.in_([TaskState.LEASED.value, TaskState.RUNNING.value]))
+        if worker_ids is not None:
+            query = query.where(T.c.worker_id.in_(list(worker_ids)))
+        with self.engine.connect() as conn:
+            return [_task(r) for r in conn.execute(query)]
+
+    def queue_depths(self) -> dict[str, dict[str, int]]:
+        """capability -> state -> count, over the non-terminal states."""
+        query = (
+            sa.select(T.c.capability, T.c.state, sa.func.count())
+            .where(T.c.state.in_([s.value for s in (TaskState.QUEUED, TaskState.LEASED, TaskState.RUNNING)]))
+            .group_by(T.c.capability, T.c.state)
+        )
+        out: dict[str, dict[str, int]] = {}
+        with self.engine.connect() as conn:
+            for cap, state, n in conn.execute(query):
+                out.setdefault(cap, {})[state] = n
+        return out
+
+    def update_tasks(self, changes: Sequence[tuple[str, Sequence[TaskState], int | None, dict[str, Any]]]) -> list[str]:
+        """Apply conditional updates in one transaction: (task id, allowed states, attempts or None, values).
+
+        Returns the ids whose condition held. This is the only way task state changes.
+        """
+        done: list[str] = []
+        with self.engine.begin() as conn:
+            for task_id, states, attempts, values in changes:
+                query = T.update().where(T.c.id == task_id, T.c.state.in_([s.value for s in states]))
+                if attempts is not None:
+                    query = query.where(T.c.attempts == attempts)
+                if conn.execute(query.values(**_encode(values))).rowcount:
+                    done.append(task_id)
+        return done
+
+    # ---- workers -----------------------------------------------------------------------------
+
+    def upsert_worker(self, worker: Worker) -> None:
+        row = _worker_row(worker)
+        with self.engine.begin() as conn:
+            if conn.execute(W.update().where(W.c.id == worker.id).values(**row)).rowcount == 0:
+                conn.execute(W.insert().values(id=worker.id, **row))
+
+    def get_worker(self, worker_id: str) -> Worker | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(W).where(W.c.id == worker_id)).first()
+        return _worker(row) if row else None
+
+    def list_workers(self, *, include_gone: bool = False) -> list[Worker]:
+        query = sa.select(W).order_by(W.c.registered_at)
+        if not include_gone:
+            query = query.where(W.c.state != WorkerState.GONE.value)
+        with self.engine.connect() as conn:
+            return [_worker(r) for r in conn.execute(query)]
+
+    def update_worker(self, worker_id: str, states: Sequence[WorkerState] | None = None, **values: Any) -> bool:
+        query = W.update().where(W.c.id == worker_id)
+        if states is not None:
+            query = query.where(W.c.state.in_([s.value for s in states]))
+        with self.engine.begin() as conn:
+            return bool(conn.execute(query.values(**values)).rowcount)
+
+    # ---- tokens ------------------------------------------------------------------------------
+
+    def insert_token(self, token_id: str, token_hash: str, role: str, tenant: str, created_at: float) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(
+                schema.tokens.insert().values(id=token_id, hash=token_hash, role=role, tenant=tenant, created_at=created_at)
+            )
+
+    def find_token(self, token_hash: str) -> dict[str, Any] | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(schema.tokens).where(schema.tokens.c.hash == token_hash)).first()
+        return dict(row._mapping) if row else None
+
+    def get_token(self, token_id: str) -> dict[str, Any] | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(schema.tokens).where(schema.tokens.c.id == token_id)).first()
+        return dict(row._mapping) if row else None
+
+    def revoke_token(self, token_id: str, now: float) -> bool:
+        tok = schema.tokens
+        with self.engine.begin() as conn:
+            query = tok.update().where(tok.c.id == token_id, tok.c.revoked_at.is_(None)).values(revoked_at=now)
+            return bool(conn.execute(query).rowcount)
+
+    def count_tokens(self) -> int:
+        with self.engine.connect() as conn:
+            return int(conn.execute(sa.select(sa.func.count()).select_from(schema.tokens)).scalar_one())
+
+    # ---- events ------------------------------------------------------------------------------
+
+    def append_events(self, items: Sequence[tuple[str, float, dict[str, Any]]]) -> dict[str, int]:
+        """Append (task id, ts, body) in order; seq is per task, 1, 2, ... Returns the last seq per task."""
+        ev = schema.events
+        last: dict[str, int] = {}
+        with self.engine.begin() as conn:
+            for task_id in dict.fromkeys(t for t, _, _ in items):
+                last[task_id] = conn.execute(
+                    sa.select(sa.func.coalesce(sa.func.max(ev.c.seq), 0)).where(ev.c.task_id == task_id)
+                ).scalar_one()
+            rows = []
+            for task_id, ts, body in items:
+                last[task_id] += 1
+                rows.append({"task_id": task_id, "seq": last[task_id], "ts": ts, "body": body})
+            if rows:
+                conn.execute(ev.insert(), rows)
+        return last
+
+    def read_events(self, task_id: str, after: int = 0, limit: int = 1000) -> list[tuple[int, float, dict[str, Any]]]:
+        ev = schema.events
+        query = (
+            sa.select(ev.c.seq, ev.c.ts, ev.c.body)
+            .where(ev.c.task_id == task_id, ev.c.seq > after)
+            .order_by(ev.c.seq)
+            .limit(limit)
+        )
+        with self.engine.connect() as conn:
+            return [(r.seq, r.ts, r.body) for r in conn.execute(query)]
+
+    # ---- audit -------------------------------------------------------------------------------
+
+    def append_audit(self, records: Sequence[tuple[float, str, str | None, dict[str, Any]]]) -> None:
+        if not records:
+            return
+        with self.engine.begin() as conn:
+            conn.execute(
+                schema.audit.insert(), [{"ts": ts, "kind": k, "tenant": tn, "body": b} for ts, k, tn, b in records]
+            )
+
+    def list_audit(self, since: float | None = None, limit: int = 1000) -> list[dict[str, Any]]:
+        a = schema.audit
+        query = sa.select(a).order_by(a.c.id).limit(limit)
+        if since is not None:
+            query = query.where(a.c.ts >= since)
+        with self.engine.connect() as conn:
+            return [dict(r._mapping) for r in conn.execute(query)]
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA synchronous=FULL")  # fsync the WAL on every commit: accepted means on disk
+    cur.execute("PRAGMA busy_timeout=30000")
+    cur.close()
+
+
+# ---- row <-> record, one translator each way -----------------------------------------------------
+
+_TASK_ENUMS = {"state": TaskState, "device": Device}
+
+
+def _encode(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v.value if isinstance(v, TaskState | Device | GpuMode) else v) for k, v in values.items()}
+
+
+def _task_row(t: Task) -> dict[str, Any]:
+    s = t.spec
+    return {
+        "id": t.id, "tenant": t.tenant, "capability": s.capability, "state": t.state.value, "input": s.input,
+        "output": t.output, "error": t.error, "gpu_mode": s.gpu.value, "gpu_wait_s": s.gpu_wait_s,
+        "resources": ({k: v for k, v in s.resources.to_dict().items() if k in s.resource_keys} if s.resources else None),
+        "priority": s.priority, "timeout_s": s.timeout_s, "placement_timeout_s": s.placement_timeout_s,
+        "max_retries": s.max_retries, "idempotency_key": s.idempotency_key, "labels": s.labels or None,
+        "attempts": t.attempts, "worker_id": t.worker_id, "device": t.device.value if t.device else None,
+        "gpus": t.gpus, "gpu_model": t.gpu_model, "routing": t.routing, "created_at": t.created_at,
+        "queued_at": t.queued_at, "leased_at": t.leased_at, "started_at": t.started_at,
+        "finished_at": t.finished_at, "run_s": t.run_s, "cost_usd": t.cost_usd,
+        "unservable_since": t.unservable_since, "pipeline_run_id": t.pipeline_run_id, "alloc": t.alloc,
+    }  # fmt: skip
+
+
+def _task(r: Any) -> Task:
+    resources = parse_resources(r.resources) if r.resources else None
+    spec = TaskSpec(
+        capability=r.capability, input=r.input, gpu=GpuMode(r.gpu_mode), gpu_wait_s=r.gpu_wait_s,
+        resources=resources, resource_keys=frozenset(r.resources or ()), priority=r.priority,
+        timeout_s=r.timeout_s, placement_timeout_s=r.placement_timeout_s, max_retries=r.max_retries,
+        idempotency_key=r.idempotency_key, labels=r.labels or {},
+    )  # fmt: skip
+    return Task(
+        id=r.id, tenant=r.tenant, spec=spec, state=TaskState(r.state), created_at=r.created_at,
+        attempts=r.attempts, output=r.output, error=r.error, worker_id=r.worker_id,
+        device=Device(r.device) if r.device else None, gpus=r.gpus, gpu_model=r.gpu_model, routing=r.routing,
+        queued_at=r.queued_at, leased_at=r.leased_at, started_at=r.started_at, finished_at=r.finished_at,
+        run_s=r.run_s, cost_usd=r.cost_usd, unservable_since=r.unservable_since, pipeline_run_id=r.pipeline_run_id,
+        alloc=r.alloc,
+    )  # fmt: skip
+
+
+def _worker_row(w: Worker) -> dict[str, Any]:
+    return {
+        "name": w.name, "host": w.host, "state": w.state.value, "variants": [v.to_dict() for v in w.variants],
+        "cpu": w.cpu, "memory_bytes": w.memory_bytes, "gpus": list(w.gpus), "strategy": w.strategy,
+        "registered_at": w.registered_at, "last_heartbeat": w.last_heartbeat, "heartbeat_s": w.heartbeat_s,
+        "metrics": w.metrics, "quarantined": w.quarantined,
+    }  # fmt: skip
+
+
+def _worker(r: Any) -> Worker:
+    variants = tuple(
+        Variant(v["capability"], Device(v["device"]), parse_resources(v["resources"])) for v in r.variants
+    )
+    return Worker(
+        id=r.id, name=r.name, host=r.host, state=WorkerState(r.state), variants=variants, cpu=r.cpu,
+        memory_bytes=r.memory_bytes, gpus=tuple(r.gpus), strategy=r.strategy, registered_at=r.registered_at,
+        last_heartbeat=r.last_heartbeat, heartbeat_s=r.heartbeat_s, metrics=r.metrics or {},
+        quarantined=r.quarantined or {},
+    )  # fmt: skip
+
+
+def sqlite_path(url: str) -> str | None:
+    return os.path.expanduser(url[len("sqlite:///") :]) if url.startswith("sqlite:///") else None

@@ -1,0 +1,139 @@
+"""`WorkerApplication` and `Context`: how users declare capabilities and their CPU and GPU variants.
+
+One definition serves CPU hosts and GPU hosts alike: a variant that asks for `gpu` or `gpu_memory` is a GPU
+variant, any other a CPU variant, and each worker offers the variants its hardware can run.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from turnout.errors import InvalidInput
+from turnout.models import Device, Variant, check_capability_name
+from turnout.resources import Resources, parse_resources
+
+Handler = Callable[["Context", Any], Any]
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    min_processes: int = 0
+    max_processes: int | None = None  # None: as many as the worker's resources allow
+    idle_timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class HandlerVariant:
+    variant: Variant
+    handler: Handler
+    pool: PoolSettings = field(default_factory=PoolSettings)
+
+    @property
+    def key(self) -> str:
+        return f"{self.variant.capability}:{self.variant.device.value}"
+
+
+class WorkerApplication:
+    """A named set of capabilities. Decorate functions with `@app.capability(...)` and `@app.setup`."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.variants: dict[str, HandlerVariant] = {}
+        self.setup_fn: Callable[[str], None] | None = None
+
+    def setup(self, fn: Callable[[str], None]) -> Callable[[str], None]:
+        """Runs once per warm process, before its first task, with the device ("cuda:0" or "cpu")."""
+        self.setup_fn = fn
+        return fn
+
+    def capability(
+        self,
+        name: str,
+        *,
+        cpu: float = 1.0,
+        memory: str | int | None = None,
+        gpu: float | None = None,
+        gpu_memory: str | int | None = None,
+        gpu_model: str | list[str] | None = None,
+        min_compute_capability: str | None = None,
+        min_processes: int = 0,
+        max_processes: int | None = None,
+        idle_timeout_s: float = 60.0,
+    ) -> Callable[[Handler], Handler]:
+        check_capability_name(name, "capability")
+        spec: dict[str, Any] = {"cpu": cpu}
+        for key, value in (("memory", memory), ("gpu", gpu), ("gpu_memory", gpu_memory), ("gpu_model", gpu_model),
+                           ("min_compute_capability", min_compute_capability)):  # fmt: skip
+            if value is not None:
+                spec[key] = value
+        resources = parse_resources(spec, f"{name}.resources")
+        device = Device.GPU if resources.wants_gpu else Device.CPU
+        if min_processes < 0 or (max_processes is not None and max_processes < max(1, min_processes)):
+            raise InvalidInput(f"{name}: need 0 <= min_processes <= max_processes", field="max_processes")
+
+        def register(fn: Handler) -> Handler:
+            hv = HandlerVariant(Variant(name, device, resources), fn,
+                                PoolSettings(min_processes, max_processes, idle_timeout_s))  # fmt: skip
+            if hv.key in self.variants:
+                raise InvalidInput(f"{name}: a {device.value} variant is already defined in app {self.name}", field="capability")
+            self.variants[hv.key] = hv
+            return fn
+
+        return register
+
+
+class Context:
+    """What a handler sees of its task. `emit` streams events to whoever follows the task."""
+
+    def __init__(
+        self,
+        *,
+        task_id: str,
+        attempt: int,
+        device: str,
+        gpus: list[str],
+        sink: IO[str] | None = None,
+        lock: threading.Lock | None = None,
+    ) -> None:
+        self.task_id = task_id
+        self.attempt = attempt
+        self.device = device
+        self.gpus = gpus
+        self._sink = sink
+        self._lock = lock or threading.Lock()
+
+    def emit(self, event: str, **fields: Any) -> None:
+        if self._sink is None:
+            return
+        line = json.dumps({"event": event, **fields}, default=str)
+        with self._lock:
+            self._sink.write(line + "\n")
+            self._sink.flush()
+
+    def progress(self, done: float, total: float | None = None) -> None:
+        self.emit("progress", done=done, total=total)
+
+
+def load_app(ref: str) -> WorkerApplication:
+    """`package.module:app` -> the WorkerApplication object (errors name the reference)."""
+    import importlib
+
+    module_name, _, attr = ref.partition(":")
+    if not module_name or not attr:
+        raise InvalidInput(f"app: {ref!r} should look like MODULE:APP, e.g. myproject.tasks:app", field="app")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise InvalidInput(f"app: cannot import {module_name!r}: {exc}", field="app") from None
+    app = getattr(module, attr, None)
+    if not isinstance(app, WorkerApplication):
+        raise InvalidInput(f"app: {ref!r} is not a turnout.WorkerApplication", field="app")
+    return app
+
+
+def describe(resources: Resources) -> str:
+    return ", ".join(f"{k}={v}" for k, v in resources.to_dict().items())

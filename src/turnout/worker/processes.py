@@ -1,0 +1,248 @@
+"""Child processes that speak the JSON-lines event protocol, and warm pools of them.
+
+One implementation serves warm Python handlers (`runner.py`) and command workers: the child reads a task
+as one JSON line on stdin and writes JSON events on stdout, `finish` last; stderr lines become `log`
+events; a line that is not a JSON object becomes a `log` event, never a crash. Each child leads its own
+process group, so a timeout or cancel kills everything it started, and holds a lifeline pipe whose other
+end only the worker holds, so it dies with the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("turnout.worker")
+EventSink = Callable[[dict[str, Any]], None]
+STREAM_LIMIT = 64 * 1024 * 1024  # one protocol line (a large result) may be this long
+
+
+@dataclass
+class Outcome:
+    succeeded: bool
+    output: Any = None
+    error: dict[str, Any] | None = None
+    run_s: float = 0.0
+    started_at: float = field(default_factory=time.time)
+
+
+class ProtocolProcess:
+    """One live child. `run()` sends one task and collects its events until `finish`."""
+
+    def __init__(self, argv: Sequence[str], env: dict[str, str], *, cwd: str | None = None, lifeline_arg: bool = False) -> None:
+        self.argv = list(argv)
+        self.env = env
+        self.cwd = cwd
+        self.lifeline_arg = lifeline_arg  # append "<worker pid> <lifeline fd>" to argv (turnout's own runner)
+        self.proc: asyncio.subprocess.Process | None = None
+        self._lifeline_w: int | None = None
+        self._sink: EventSink | None = None
+        self._stderr_tail: deque[str] = deque(maxlen=20)
+        self._stderr_task: asyncio.Task[None] | None = None
+        self.last_used = time.monotonic()
+        self.tasks_served = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    async def start(self) -> None:
+        read_end, self._lifeline_w = os.pipe()
+        argv = self.argv + ([str(os.getpid()), str(read_end)] if self.lifeline_arg else [])
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                env=self.env, cwd=self.cwd, start_new_session=True, pass_fds=(read_end,), limit=STREAM_LIMIT,
+            )  # fmt: skip
+        finally:
+            os.close(read_end)
+        self._stderr_task = asyncio.create_task(self._read_stderr())
+
+    async def _read_stderr(self) -> None:
+        assert self.proc and self.proc.stderr
+        while True:
+            try:
+                raw = await self.proc.stderr.readline()
+            except (ValueError, asyncio.LimitOverrunError):
+                continue
+            if not raw:
+                return
+            line = raw.decode(errors="replace").rstrip("\n")
+            self._stderr_tail.append(line)
+            if self._sink:
+                self._sink({"event": "log", "stream": "stderr", "line": line})
+
+    async def run(self, task_line: str, sink: EventSink, timeout_s: float | None) -> Outcome:
+        """Send one task, stream its events to `sink`; kill the process group on timeout or cancel."""
+        assert self.proc and self.proc.stdin and self.proc.stdout
+        self._sink = sink
+        self._stderr_tail.clear()
+        started = time.time()
+        try:
+            self.proc.stdin.write(task_line.encode() + b"\n")
+            await self.proc.stdin.drain()
+            outcome = await asyncio.wait_for(self._collect(sink, started), timeout=timeout_s)
+        except asyncio.TimeoutError:
+            self.kill()
+            outcome = Outcome(False, error={"type": "timeout", "message": f"ran longer than timeout_s={timeout_s:g}"},
+                              started_at=started)  # fmt: skip
+        except (BrokenPipeError, ConnectionResetError):
+            outcome = await self._exited(started)
+        except asyncio.CancelledError:
+            self.kill()
+            raise
+        finally:
+            self._sink = None
+        outcome.run_s = time.time() - started
+        self.tasks_served += 1
+        self.last_used = time.monotonic()
+        return outcome
+
+    async def _collect(self, sink: EventSink, started: float) -> Outcome:
+        assert self.proc and self.proc.stdout
+        output: Any = None
+        have_result = False
+        last_text: str | None = None
+        while True:
+            try:
+                raw = await self.proc.stdout.readline()
+            except (ValueError, asyncio.LimitOverrunError):
+                sink({"event": "log", "stream": "stdout", "line": "(line longer than the protocol limit dropped)"})
+                continue
+            if not raw:
+                return await self._exited(started)
+            text = raw.decode(errors="replace").strip()
+            if not text:
+                continue
+            try:
+                event = json.loads(text)
+            except ValueError:
+                event = None
+            if not isinstance(event, dict) or not isinstance(event.get("event"), str):
+                sink({"event": "log", "stream": "stdout", "line": text})
+                continue
+            kind = event["event"]
+            if kind == "result":
+                output, have_result = event.get("data"), True
+            elif kind == "text":
+                last_text = event.get("content")
+                sink(event)
+            elif kind == "finish":
+                if event.get("status") == "completed":
+                    if not have_result and last_text is not None:
+                        output = {"text": last_text}
+                    return Outcome(True, output=output, started_at=started)
+                error = event.get("error")
+                if not isinstance(error, dict):
+                    error = {"type": "failed", "message": str(error or "the worker program reported failure")}
+                return Outcome(False, error=error, started_at=started)
+            else:
+                sink(event)
+
+    async def _exited(self, started: float) -> Outcome:
+        assert self.proc
+        code = await self.proc.wait()
+        if self._stderr_task:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._stderr_task), 1.0)
+        self.kill()  # whatever it left behind in its group goes too
+        tail = "\n".join(self._stderr_tail)
+        message = f"the process exited with code {code} before finishing" + (f"; last stderr:\n{tail}" if tail else "")
+        return Outcome(False, error={"type": "process_exited", "message": message, "exit_code": code}, started_at=started)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (the child and anything it forked)."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        if self._lifeline_w is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._lifeline_w)
+            self._lifeline_w = None
+
+    async def close(self) -> None:
+        self.kill()
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                await self.proc.wait()
+        if self._stderr_task:
+            self._stderr_task.cancel()
+
+
+ProcessFactory = Callable[[tuple[str, ...]], ProtocolProcess]
+
+
+class ProcessPool:
+    """Warm processes of one variant, keyed by the GPUs they were started with (a process's GPUs are fixed).
+
+    Idle processes above `min_processes` exit after `idle_timeout_s`, freeing the memory their model held.
+    """
+
+    def __init__(self, factory: ProcessFactory, *, min_processes: int = 0, idle_timeout_s: float = 60.0) -> None:
+        self.factory = factory
+        self.min_processes = min_processes
+        self.idle_timeout_s = idle_timeout_s
+        self.idle: dict[tuple[str, ...], list[ProtocolProcess]] = {}
+        self.busy: set[ProtocolProcess] = set()
+
+    async def acquire(self, key: tuple[str, ...]) -> ProtocolProcess:
+        stack = self.idle.get(key, [])
+        while stack:
+            proc = stack.pop()
+            if proc.alive:
+                self.busy.add(proc)
+                return proc
+        proc = self.factory(key)
+        await proc.start()
+        self.busy.add(proc)
+        return proc
+
+    def release(self, proc: ProtocolProcess, key: tuple[str, ...], reusable: bool) -> None:
+        self.busy.discard(proc)
+        if reusable and proc.alive:
+            self.idle.setdefault(key, []).append(proc)
+        else:
+            proc.kill()
+
+    async def prewarm(self, key: tuple[str, ...] = ()) -> None:
+        while sum(len(v) for v in self.idle.values()) + len(self.busy) < self.min_processes:
+            proc = self.factory(key)
+            await proc.start()
+            self.idle.setdefault(key, []).append(proc)
+
+    async def reap_idle(self) -> None:
+        now = time.monotonic()
+        total = sum(len(v) for v in self.idle.values()) + len(self.busy)
+        for key, stack in self.idle.items():
+            for proc in list(stack):
+                if not proc.alive:
+                    stack.remove(proc)
+                    total -= 1
+                elif now - proc.last_used > self.idle_timeout_s and total > self.min_processes:
+                    stack.remove(proc)
+                    total -= 1
+                    await proc.close()
+            del key
+
+    def pids(self) -> list[int]:
+        procs = [*self.busy, *(p for v in self.idle.values() for p in v)]
+        return [p.pid for p in procs if p.pid is not None and p.alive]
+
+    async def close(self) -> None:
+        for proc in [*self.busy, *(p for v in self.idle.values() for p in v)]:
+            await proc.close()
+        self.idle.clear()
+        self.busy.clear()
