@@ -9,6 +9,7 @@ come from an NVML event set registered for critical Xids and drained without wai
 
 from __future__ import annotations
 
+import importlib
 import re
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -35,7 +36,7 @@ class NvmlProvider:
     def __init__(self, nvml: Any = None) -> None:
         if nvml is None:
             try:
-                import pynvml as nvml
+                nvml = importlib.import_module("pynvml")
             except ImportError:
                 raise ProviderError("nvidia-ml-py (pynvml) is not installed", absent=True) from None
         self._nvml = nvml
@@ -79,7 +80,7 @@ class NvmlProvider:
         cc = self._maybe(nv.nvmlDeviceGetCudaComputeCapability, handle)
         pci = self._maybe(nv.nvmlDeviceGetPciInfo, handle)
         mode = self._maybe(nv.nvmlDeviceGetMigMode, handle)
-        mig_mode = bool(mode) and mode[0] == nv.NVML_DEVICE_MIG_ENABLE
+        mig_mode = mode is not None and mode[0] == nv.NVML_DEVICE_MIG_ENABLE
         return GpuDevice(
             index=index, uuid=_text(nv.nvmlDeviceGetUUID(handle)), name=_text(nv.nvmlDeviceGetName(handle)),
             memory_total_bytes=int(memory.total), memory_free_bytes=int(memory.free),
@@ -91,7 +92,7 @@ class NvmlProvider:
 
     def _migs(self, handle: Any) -> tuple[MigDevice, ...]:
         nv = self._nvml
-        migs = []
+        migs: list[MigDevice] = []
         for slot in range(self._maybe(nv.nvmlDeviceGetMaxMigDeviceCount, handle) or 0):
             mig = self._maybe(nv.nvmlDeviceGetMigDeviceHandleByIndex, handle, slot)
             if mig is None:

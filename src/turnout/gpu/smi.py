@@ -288,14 +288,15 @@ class SmiProvider:
         _, gpus = _gpus(text)
         mig = any((value(g.findtext("mig_mode/current_mig")) or "").lower() == "enabled" for g in gpus)
         listing = self._optional(lambda: parse_list(self._run([self._bin, "-L"]))) if mig else None
-        caps = self._optional(lambda: {
-            r["uuid"]: r["compute_cap"] for r in parse_query_csv(
-                self._run([self._bin, "--query-gpu=uuid,compute_cap", "--format=csv,nounits"]))
-            if r.get("uuid") and r.get("compute_cap")
-        })  # fmt: skip
+        caps = self._optional(self._compute_capabilities)
         devices = devices_from_xml(text, listing or (), caps)
         self._uuids = [d.uuid for d in devices]
         return devices
+
+    def _compute_capabilities(self) -> dict[str, str]:
+        """UUID -> compute capability; `-q -x` does not carry it, `--query-gpu=compute_cap` does (R510+)."""
+        rows = parse_query_csv(self._run([self._bin, "--query-gpu=uuid,compute_cap", "--format=csv,nounits"]))
+        return {uuid: cap for row in rows if (uuid := row.get("uuid")) and (cap := row.get("compute_cap"))}
 
     def metrics(self) -> list[GpuMetrics]:
         query = f"--query-gpu={','.join(METRIC_FIELDS)}"
