@@ -240,7 +240,8 @@ class FakeGpuProvider:
 
     def inject(self, uuid: str, *, xid: Sequence[int] = (), ecc_uncorrected: int | None = None,
                fell_off_bus: bool = False, unresponsive: bool = False, canary_ok: bool | None = None) -> None:  # fmt: skip
-        """Inject faults on a GPU; they stay until `clear_faults`."""
+        """Inject faults on a GPU (a MIG device's faults land on its parent); they stay until `clear_faults`."""
+        uuid = self._physical(uuid)
         entry = self._entry(uuid)
         fields: dict[str, Any] = {"xid": sorted({*entry.get("xid", []), *xid})}
         if ecc_uncorrected is not None:
@@ -255,7 +256,7 @@ class FakeGpuProvider:
 
     def clear_faults(self, uuid: str) -> None:
         """Clear Xids, bus loss, unresponsiveness and a forced canary failure (ECC counts stay, as on real GPUs)."""
-        self._update(uuid, xid=[], fell_off_bus=False, unresponsive=False, canary_ok=True)
+        self._update(self._physical(uuid), xid=[], fell_off_bus=False, unresponsive=False, canary_ok=True)
 
     def fault_cleared(self, uuid: str) -> bool:
         """The canary answer for a fake GPU: True when no device fault is asserted any more."""
@@ -266,6 +267,11 @@ class FakeGpuProvider:
         )  # fmt: skip
 
     # -- state ------------------------------------------------------------------------------------------------
+
+    def _physical(self, uuid: str) -> str:
+        if uuid not in self._parent:
+            raise KeyError(f"no fake GPU or MIG device {uuid!r}")
+        return self._parent[uuid]
 
     def _entry(self, uuid: str) -> dict[str, Any]:
         if uuid not in self._parent:

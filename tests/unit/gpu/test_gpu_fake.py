@@ -94,10 +94,14 @@ def test_metrics_are_idle_until_processes_and_readings_are_set() -> None:
     assert fake.metrics()[0].processes == ()
 
 
-def test_processes_on_a_mig_device_count_towards_its_parent() -> None:
+def test_processes_and_faults_on_a_mig_device_count_towards_its_parent() -> None:
     fake = FakeGpuProvider("1xA100-40Gi-mig:3g.20gb,2g.10gb")
     fake.set_process("MIG-fake-0-1", 7, GIB)
     assert fake.metrics()[0].memory_used_bytes == GIB
+    fake.inject("MIG-fake-0-0", xid=[94])
+    assert fake.metrics()[0].xid_errors == (94,) and not fake.fault_cleared("MIG-fake-0-0")
+    fake.clear_faults("MIG-fake-0-0")
+    assert fake.fault_cleared("GPU-fake-0")
 
 
 def test_injected_faults_show_in_metrics_and_clear() -> None:

@@ -29,7 +29,6 @@ def ok(uuid: str, **readings: object) -> GpuMetrics:
 @pytest.mark.parametrize("code", [48, 63, 64, 74, 79, 92, 94, 95, 119, 120])
 def test_hardware_xids_are_device_faults(code: int) -> None:
     assert classify_xid(code) is XidKind.DEVICE
-    assert fault_reason(ok(A, xid_errors=(code,)), 0) == fault_reason(ok(A, xid_errors=(code,)), 0)
     assert (fault_reason(ok(A, xid_errors=(code,)), 0) or "").startswith(f"xid {code}")
 
 
