@@ -132,6 +132,7 @@ def worker(
     controller_url: Optional[str] = typer.Option(None, "--controller", help="Controller URL (default $TURNOUT_URL)."),
     token: Optional[str] = typer.Option(None, help="Worker or admin token (default $TURNOUT_TOKEN or admin.token)."),
     presets: Optional[Path] = typer.Option(None, help="Model presets file: each model is served as a capability."),
+    models_dir: Optional[Path] = typer.Option(None, help="Where presets' models live (MODEL_PATH; default ~/.turnout/models)."),
     gpus: str = typer.Option("auto", help="auto, none, 0,2 or fake:SPEC."),
     name: Optional[str] = typer.Option(None, help="Worker name (default: host name)."),
     strategy: str = typer.Option("pack", help="GPU placement on this worker: pack or spread."),
@@ -160,7 +161,7 @@ def worker(
     if presets:
         from turnout.worker.presets import preset_runnables
 
-        runnables += preset_runnables(presets, base_env)
+        runnables += preset_runnables(presets, base_env, models_dir=models_dir)
     settings = AgentSettings(controller_url=controller_url or default_url(), token=token or default_token(),
                              name=name or socket.gethostname(), gpus=gpus, strategy=strategy, cpus=cpus,
                              heartbeat_s=heartbeat_s)  # fmt: skip

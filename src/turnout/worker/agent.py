@@ -240,7 +240,7 @@ class Agent:
                 outcome = Outcome(False, error={"type": "not_served", "message": f"{lease['capability']} on {lease['device']} is not served here"})
             else:
                 key = grant_key(lease.get("gpus"))
-                proc = await runnable.pool.acquire(key)
+                proc = await runnable.pool.acquire(key, task_id)
                 reusable = False
                 try:
                     outcome = await proc.run(runnable.task_line(lease), sink, lease.get("timeout_s"))

@@ -4,7 +4,9 @@ One implementation serves warm Python handlers (`runner.py`) and command workers
 as one JSON line on stdin and writes JSON events on stdout, `finish` last; stderr lines become `log`
 events; a line that is not a JSON object becomes a `log` event, never a crash. Each child leads its own
 process group, so a timeout or cancel kills everything it started, and holds a lifeline pipe whose other
-end only the worker holds, so it dies with the worker.
+end only the worker holds, so it dies with the worker. When the group's leader exits, the rest of its group
+is killed at once: a forked child that outlives its parent would otherwise hold the pipes open and hide
+the exit (asyncio's `wait()` resolves only once every pipe has closed, so exits are watched by polling).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -24,6 +27,7 @@ from typing import Any
 log = logging.getLogger("turnout.worker")
 EventSink = Callable[[dict[str, Any]], None]
 STREAM_LIMIT = 64 * 1024 * 1024  # one protocol line (a large result) may be this long
+EXIT_POLL_S = 0.02
 
 
 @dataclass
@@ -38,13 +42,20 @@ class Outcome:
 class ProtocolProcess:
     """One live child. `run()` sends one task and collects its events until `finish`."""
 
-    def __init__(self, argv: Sequence[str], env: dict[str, str], *, cwd: str | None = None, lifeline_arg: bool = False) -> None:
+    def __init__(self, argv: Sequence[str], env: dict[str, str], *, cwd: str | None = None, lifeline_arg: bool = False,
+                 default_timeout_s: float | None = None, one_task: bool = False,
+                 cleanup_argv: Sequence[str] | None = None) -> None:  # fmt: skip
         self.argv = list(argv)
         self.env = env
         self.cwd = cwd
-        self.lifeline_arg = lifeline_arg  # append "<worker pid> <lifeline fd>" to argv (turnout's own runner)
+        self.lifeline_arg = lifeline_arg  # append "<worker pid> <lifeline fd>" to argv (the runner, the guard)
+        self.default_timeout_s = default_timeout_s  # for tasks that set no timeout of their own
+        self.one_task = one_task  # close stdin after the task's line: a one-off program may read to EOF
+        self.cleanup_argv = list(cleanup_argv or [])  # run when killed alive, for what outlives the group (a container)
         self.proc: asyncio.subprocess.Process | None = None
         self._lifeline_w: int | None = None
+        self._group_gone = False  # its group was killed after the leader exited; the pgid may be reused now
+        self._exit_task: asyncio.Task[None] | None = None
         self._sink: EventSink | None = None
         self._stderr_tail: deque[str] = deque(maxlen=20)
         self._stderr_task: asyncio.Task[None] | None = None
@@ -70,6 +81,18 @@ class ProtocolProcess:
         finally:
             os.close(read_end)
         self._stderr_task = asyncio.create_task(self._read_stderr())
+        self._exit_task = asyncio.create_task(self._kill_group_on_exit())
+
+    async def _wait_exit(self) -> int:
+        assert self.proc
+        while self.proc.returncode is None:
+            await asyncio.sleep(EXIT_POLL_S)
+        return self.proc.returncode
+
+    async def _kill_group_on_exit(self) -> None:
+        await self._wait_exit()
+        self.kill()
+        self._group_gone = True
 
     async def _read_stderr(self) -> None:
         assert self.proc and self.proc.stderr
@@ -91,14 +114,17 @@ class ProtocolProcess:
         self._sink = sink
         self._stderr_tail.clear()
         started = time.time()
+        timeout_s = timeout_s if timeout_s is not None else self.default_timeout_s
         try:
             self.proc.stdin.write(task_line.encode() + b"\n")
             await self.proc.stdin.drain()
+            if self.one_task:
+                self.proc.stdin.close()
             outcome = await asyncio.wait_for(self._collect(sink, started), timeout=timeout_s)
         except asyncio.TimeoutError:
             self.kill()
-            outcome = Outcome(False, error={"type": "timeout", "message": f"ran longer than timeout_s={timeout_s:g}"},
-                              started_at=started)  # fmt: skip
+            message = f"ran longer than timeout_s={timeout_s:g}; its process group was killed"
+            outcome = Outcome(False, error={"type": "timeout", "message": message}, started_at=started)
         except (BrokenPipeError, ConnectionResetError):
             outcome = await self._exited(started)
         except asyncio.CancelledError:
@@ -153,8 +179,7 @@ class ProtocolProcess:
                 sink(event)
 
     async def _exited(self, started: float) -> Outcome:
-        assert self.proc
-        code = await self.proc.wait()
+        code = await self._wait_exit()
         if self._stderr_task:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._stderr_task), 1.0)
@@ -165,9 +190,14 @@ class ProtocolProcess:
 
     def kill(self) -> None:
         """SIGKILL the whole process group (the child and anything it forked)."""
-        if self.proc is not None:
+        if self.proc is not None and not self._group_gone:
+            alive = self.proc.returncode is None
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
+            if alive and self.cleanup_argv:
+                with contextlib.suppress(OSError):
+                    subprocess.Popen(self.cleanup_argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=True, env=self.env)  # fmt: skip
         if self._lifeline_w is not None:
             with contextlib.suppress(OSError):
                 os.close(self._lifeline_w)
@@ -176,10 +206,24 @@ class ProtocolProcess:
     async def close(self) -> None:
         self.kill()
         if self.proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                await self.proc.wait()
-        if self._stderr_task:
-            self._stderr_task.cancel()
+            await self._wait_exit()
+        for task in (self._stderr_task, self._exit_task):
+            if task:
+                task.cancel()
+
+
+class RefusedProcess(ProtocolProcess):
+    """Stands in for a process that cannot start on this worker: each task fails with `error`, the worker lives."""
+
+    def __init__(self, error: dict[str, Any]) -> None:
+        super().__init__([], {})
+        self.error = error
+
+    async def start(self) -> None:
+        return None
+
+    async def run(self, task_line: str, sink: EventSink, timeout_s: float | None) -> Outcome:
+        return Outcome(False, error=dict(self.error))
 
 
 ProcessFactory = Callable[[tuple[str, ...]], ProtocolProcess]
@@ -198,7 +242,7 @@ class ProcessPool:
         self.idle: dict[tuple[str, ...], list[ProtocolProcess]] = {}
         self.busy: set[ProtocolProcess] = set()
 
-    async def acquire(self, key: tuple[str, ...]) -> ProtocolProcess:
+    async def acquire(self, key: tuple[str, ...], task_id: str | None = None) -> ProtocolProcess:
         stack = self.idle.get(key, [])
         while stack:
             proc = stack.pop()
@@ -246,3 +290,30 @@ class ProcessPool:
             await proc.close()
         self.idle.clear()
         self.busy.clear()
+
+
+OneOffFactory = Callable[[tuple[str, ...], str | None], ProtocolProcess]
+
+
+class OneOffPool(ProcessPool):
+    """A fresh process per task, started knowing the task's id, and killed with its group when the task ends."""
+
+    def __init__(self, factory: OneOffFactory) -> None:
+        super().__init__(lambda key: factory(key, None))
+        self.one_off_factory = factory
+
+    async def acquire(self, key: tuple[str, ...], task_id: str | None = None) -> ProtocolProcess:
+        proc = self.one_off_factory(key, task_id)
+        self.busy.add(proc)
+        try:
+            await proc.start()
+        except BaseException:
+            self.busy.discard(proc)
+            raise
+        return proc
+
+    def release(self, proc: ProtocolProcess, key: tuple[str, ...], reusable: bool) -> None:
+        super().release(proc, key, reusable=False)
+
+    async def prewarm(self, key: tuple[str, ...] = ()) -> None:
+        return None
