@@ -36,7 +36,7 @@ from turnout.gpu.allocation import (
     add_grant,
     allocate,
     model_rank,
-    shared_slack,
+    need_bytes,
 )
 from turnout.gpu.devices import GpuUnit, UnitUsage
 
@@ -91,36 +91,75 @@ def _left_ppm(unit: GpuUnit, used: UnitUsage) -> int:
     return (unit.memory_bytes - used.memory_bytes) * PPM // unit.memory_bytes
 
 
-def fragmentation(
-    units: Sequence[GpuUnit], usage: Mapping[str, UnitUsage], cpu_free: float, mix: Typicals
-) -> float:
-    """FGD's expected fragmentation of a node, in ppm of a GPU.
+class FragmentationMeter:
+    """FGD's expected fragmentation of a node against a typical-task mix, in ppm of a GPU.
 
-    For each typical task: if it could be placed here now, the free memory of the units it cannot use is
-    fragment; if it cannot (wrong model, too little CPU, not enough room, or a CPU-only task), all free GPU
-    memory of the node is fragment. Weighted by the task's popularity.
+    For each typical task: if it could be placed on the node now, the free memory of the units it cannot
+    use is fragment; if it cannot (wrong model, too little CPU, too little room, or a CPU-only task), all
+    free GPU memory of the node is fragment. Weighted by the task's popularity. Results are memoised on
+    the node's state with units in canonical order (fragmentation is a function of the multiset).
     """
-    lefts = [_left_ppm(u, usage.get(u.uuid, _EMPTY)) for u in units]
-    total = sum(lefts)
-    if total == 0:
-        return 0.0
-    frag = 0.0
-    for t, p in mix:
-        if not t.wants_gpu or t.cpu > cpu_free:
-            frag += p * total
-            continue
-        usable = 0
-        usable_left = 0
-        for unit, left in zip(units, lefts, strict=True):
-            if left == 0 or model_rank(t, unit) is None:
+
+    def __init__(self, mix: Typicals) -> None:
+        self.mix = mix
+        self._accepts: dict[tuple[int, str, int, bool, bool, str | None], bool] = {}
+        self._memo: dict[tuple[object, ...], float] = {}
+        self._needs: dict[tuple[int, int], int] = {}
+
+    def _unit_accepts(self, i: int, unit: GpuUnit) -> bool:
+        key = (i, unit.model, unit.memory_bytes, unit.is_mig, unit.healthy, unit.compute_capability)
+        ok = self._accepts.get(key)
+        if ok is None:
+            ok = self._accepts[key] = model_rank(self.mix[i][0], unit) is not None
+        return ok
+
+    def _need(self, i: int, unit: GpuUnit) -> int:
+        key = (i, unit.memory_bytes)
+        need = self._needs.get(key)
+        if need is None:
+            need = self._needs[key] = need_bytes(self.mix[i][0], unit)
+        return need
+
+    def __call__(self, units: Sequence[GpuUnit], usage: Mapping[str, UnitUsage], cpu_free: float) -> float:
+        state = [(u.model, u.memory_bytes, u.is_mig, u.healthy, u.compute_capability, usage.get(u.uuid, _EMPTY), k)
+                 for k, u in enumerate(units)]  # fmt: skip
+        state.sort(
+            key=lambda s: (s[0], s[1], s[5].memory_bytes, s[5].exclusive, s[5].tasks, s[2], s[3], s[6])
+        )
+        key = (tuple(s[:6] for s in state), cpu_free)
+        frag = self._memo.get(key)
+        if frag is None:
+            if len(self._memo) > _MEMO_LIMIT:
+                self._memo.clear()
+            frag = self._memo[key] = self._measure(units, usage, cpu_free)
+        return frag
+
+    def _measure(self, units: Sequence[GpuUnit], usage: Mapping[str, UnitUsage], cpu_free: float) -> float:
+        used = [usage.get(u.uuid, _EMPTY) for u in units]
+        lefts = [_left_ppm(u, x) for u, x in zip(units, used, strict=True)]
+        total = sum(lefts)
+        if total == 0:
+            return 0.0
+        frag = 0.0
+        for i, (t, p) in enumerate(self.mix):
+            if not t.wants_gpu or t.cpu > cpu_free:
+                frag += p * total
                 continue
-            u = usage.get(unit.uuid, _EMPTY)
-            ok = (u.tasks == 0 and not unit.is_mig) if t.exclusive else shared_slack(t, unit, u) is not None
-            if ok:
-                usable += 1
-                usable_left += left
-        frag += p * (total - usable_left if usable >= max(t.count, 1) else total)
-    return frag
+            usable = usable_left = 0
+            for unit, u, left in zip(units, used, lefts, strict=True):
+                if left == 0 or not self._unit_accepts(i, unit):
+                    continue
+                if t.exclusive:
+                    ok = u.tasks == 0 and not unit.is_mig
+                elif unit.is_mig:
+                    ok = u.tasks == 0 and self._need(i, unit) <= unit.memory_bytes
+                else:  # the mix carries no workload labels, so no training/inference clash applies here
+                    ok = unit.memory_bytes - u.memory_bytes >= self._need(i, unit)
+                if ok:
+                    usable += 1
+                    usable_left += left
+            frag += p * (total - usable_left if usable >= max(t.count, 1) else total)
+        return frag
 
 
 def _sigmoid(x: float) -> float:
@@ -249,7 +288,7 @@ class FgdPolicy(_Base):
     name = "fgd"
 
     def __init__(self, mix: Typicals) -> None:
-        self.mix = mix
+        self.meter = FragmentationMeter(mix)
 
     def gain(
         self,
@@ -260,9 +299,9 @@ class FgdPolicy(_Base):
         grant: GpuGrant | None,
     ) -> float:
         """Fragmentation removed by placing the request (negative: it adds fragmentation), in GPUs."""
-        before = fragmentation(units, usage, host.cpu_free, self.mix)
+        before = self.meter(units, usage, host.cpu_free)
         after_usage = add_grant(usage, grant, request.workload) if grant is not None else usage
-        after = fragmentation(units, after_usage, host.cpu_free - request.cpu, self.mix)
+        after = self.meter(units, after_usage, host.cpu_free - request.cpu)
         return (before - after) / PPM
 
     def score(
@@ -351,6 +390,10 @@ def score_node(
     return outcome.score if outcome is not None else None
 
 
+_Answer = tuple[float, tuple[int, ...], GpuGrant | None] | None  # score, unit positions, grant; None = no fit
+_MISSING = object()
+
+
 @dataclass
 class _Node:
     key: Hashable
@@ -377,7 +420,9 @@ class PlacementIndex:
         self._state_ids: dict[tuple[object, ...], int] = {}
         self._members: dict[int, list[tuple[int, Hashable]]] = {}  # state -> (rank, key), sorted by rank
         self._next_state = 0
-        self._memo: dict[tuple[int, GpuRequest], tuple[float, tuple[int, ...], GpuGrant | None] | None] = {}
+        self._memo: dict[GpuRequest, dict[int, _Answer]] = {}  # request -> state -> answer
+        self._fits: dict[GpuRequest, dict[int, bool]] = {}
+        self._memo_size = 0
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -392,7 +437,7 @@ class PlacementIndex:
         else:
             self._leave(node)
             node.units, node.usage, node.host = tuple(units), dict(usage), host
-        if len(self._memo) > _MEMO_LIMIT:
+        if self._memo_size > _MEMO_LIMIT:
             self._forget()
         sig = (
             tuple(
@@ -420,6 +465,8 @@ class PlacementIndex:
     def _forget(self) -> None:
         """Drop memoised answers and the ids of states no worker is in, so a long-lived index stays small."""
         self._memo.clear()
+        self._fits.clear()
+        self._memo_size = 0
         live = {n.state for n in self._nodes.values()}
         self._state_ids = {sig: i for sig, i in self._state_ids.items() if i in live}
         self._next_state = max(self._state_ids.values(), default=-1) + 1
@@ -439,53 +486,36 @@ class PlacementIndex:
         n = self._nodes[key]
         return n.units, n.usage, n.host
 
-    def _outcome(
-        self, state: int, request: GpuRequest
-    ) -> tuple[float, tuple[int, ...], GpuGrant | None] | None:
-        memo_key = (state, request)
-        if memo_key in self._memo:
-            return self._memo[memo_key]
+    def _evaluate(self, state: int, request: GpuRequest) -> _Answer:
+        """Score the first worker in `state`; the answer holds unit positions so any twin can reuse it."""
         node = self._nodes[self._members[state][0][1]]
         out = self.policy.evaluate(request, node.units, node.usage, node.host)
         if out is None:
-            result = None
-        else:
-            positions = {u.uuid: i for i, u in enumerate(node.units)}
-            held = tuple(positions[x] for x in out.grant.uuids) if out.grant else ()
-            result = (out.score, held, out.grant)
-        if not self.policy.randomized:
-            self._memo[memo_key] = result
-        return result
+            return None
+        positions = {u.uuid: i for i, u in enumerate(node.units)}
+        return out.score, tuple(positions[x] for x in out.grant.uuids) if out.grant else (), out.grant
 
     def choose(self, request: GpuRequest) -> tuple[Hashable, GpuGrant | None] | None:
         """The best worker for `request` and the units it gets there, or None if no worker can host it now."""
         if self.policy.randomized:
-            feasible = [(s, m) for s, m in self._members.items() if self._feasible(s, request)]
-            if not feasible:
-                return None
-            pick = self.rng.randrange(sum(len(m) for _, m in feasible))
-            for _, members in feasible:
-                if pick < len(members):
-                    key = members[pick][1]
-                    n = self._nodes[key]
-                    out = self.policy.evaluate(request, n.units, n.usage, n.host)
-                    return (key, out.grant) if out is not None else None
-                pick -= len(members)
-        best: tuple[float, int, int] | None = None  # (-score, rank, state)
+            return self._choose_uniformly(request)
+        answers = self._memo.setdefault(request, {})
+        best_score, best_rank, best_state, best = -math.inf, sys.maxsize, -1, None
         for state, members in self._members.items():
-            res = self._outcome(state, request)
+            res = answers.get(state, _MISSING)
+            if res is _MISSING:
+                res = answers[state] = self._evaluate(state, request)
+                self._memo_size += 1
             if res is None:
                 continue
-            cand = (-res[0], members[0][0], state)
-            if best is None or cand < best:
-                best = cand
+            score = res[0]  # type: ignore[index]
+            if score > best_score or (score == best_score and members[0][0] < best_rank):
+                best_score, best_rank, best_state, best = score, members[0][0], state, res
         if best is None:
             return None
-        state = best[2]
-        key = self._members[state][0][1]
-        res = self._outcome(state, request)
-        assert res is not None  # memoised above (or re-evaluated on the same state)
-        _, held, template = res
+        key = self._members[best_state][0][1]
+        held: tuple[int, ...] = best[1]  # type: ignore[index]
+        template: GpuGrant | None = best[2]  # type: ignore[index]
         if template is None:
             return key, None
         units = self._nodes[key].units
@@ -493,8 +523,28 @@ class PlacementIndex:
             template, uuids=tuple(units[i].uuid for i in held), indices=tuple(units[i].index for i in held)
         )
 
-    def _feasible(self, state: int, request: GpuRequest) -> bool:
-        node = self._nodes[self._members[state][0][1]]
-        return host_fits(request, node.host) and (
-            not request.wants_gpu or allocate(request, node.units, node.usage) is not None
-        )
+    def _choose_uniformly(self, request: GpuRequest) -> tuple[Hashable, GpuGrant | None] | None:
+        """A uniformly drawn feasible worker (no memo: the unit choice inside it is random too)."""
+        fits = self._fits.setdefault(request, {})
+        feasible = [m for s, m in self._members.items() if self._feasible(s, request, fits)]
+        if not feasible:
+            return None
+        pick = self.rng.randrange(sum(len(m) for m in feasible))
+        for members in feasible:
+            if pick < len(members):
+                key = members[pick][1]
+                n = self._nodes[key]
+                out = self.policy.evaluate(request, n.units, n.usage, n.host)
+                return (key, out.grant) if out is not None else None
+            pick -= len(members)
+        return None
+
+    def _feasible(self, state: int, request: GpuRequest, fits: dict[int, bool]) -> bool:
+        ok = fits.get(state)
+        if ok is None:
+            node = self._nodes[self._members[state][0][1]]
+            ok = fits[state] = host_fits(request, node.host) and (
+                not request.wants_gpu or allocate(request, node.units, node.usage) is not None
+            )
+            self._memo_size += 1
+        return ok
