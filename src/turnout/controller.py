@@ -115,7 +115,7 @@ class Controller:
               {"state": TaskState.CANCELLED, "finished_at": now, "error": {"type": "cancelled", "message": "cancelled by request"}})]
         )  # fmt: skip
         if changed:
-            self._audit("cancel", task.tenant, {"task": task_id, "worker": task.worker_id})
+            self.audit("cancel", task.tenant, {"task": task_id, "worker": task.worker_id})
             self._audit_release(task, now)
         return self.get_task(tenant, task_id)
 
@@ -141,7 +141,7 @@ class Controller:
             last_heartbeat=now, heartbeat_s=heartbeat_s or self.settings.heartbeat_s,
         )  # fmt: skip
         self.store.upsert_worker(worker)
-        self._audit("worker_registered", None, {"worker": worker.id, "name": name, "host": host,
+        self.audit("worker_registered", None, {"worker": worker.id, "name": name, "host": host,
                                                  "gpus": [g.get("uuid") for g in gpus]})  # fmt: skip
         return worker
 
@@ -408,7 +408,8 @@ class Controller:
                                     f"allows and that fits, for {t.spec.placement_timeout_s:g} s"}  # fmt: skip
                 updates.append((t.id, (TaskState.QUEUED,), t.attempts,
                                 {"state": TaskState.FAILED, "error": error, "finished_at": now}))  # fmt: skip
-        return any(u[3].get("state") is TaskState.FAILED for u in updates if u[0] in set(self.store.update_tasks(updates)))
+        done = set(self.store.update_tasks(updates)) if updates else set()
+        return any(u[3].get("state") is TaskState.FAILED for u in updates if u[0] in done)
 
     # ---- events and audit --------------------------------------------------------------------
 
@@ -425,7 +426,7 @@ class Controller:
             )
         return self.store.append_events(keep) if keep else {}
 
-    def _audit(self, kind: str, tenant: str | None, body: dict[str, Any]) -> None:
+    def audit(self, kind: str, tenant: str | None, body: dict[str, Any]) -> None:
         self.store.append_audit([(self.clock(), kind, tenant, body)])
 
     def _audit_allocations(self, worker_id: str, leases: Sequence[Lease], now: float) -> None:
@@ -437,7 +438,7 @@ class Controller:
 
     def _audit_release(self, task: Task, now: float) -> None:
         if task.gpus:
-            self._audit("gpu_released", task.tenant, {"task": task.id, "worker": task.worker_id,
+            self.audit("gpu_released", task.tenant, {"task": task.id, "worker": task.worker_id,
                                                       "gpus": list(task.gpus.get("uuids", [])),
                                                       "memory_bytes": task.gpus.get("memory_bytes"),
                                                       "start": task.leased_at, "end": now})  # fmt: skip

@@ -30,7 +30,7 @@ from turnout.api.schemas import (
 from turnout.api.service import POLL_S, Service, Signal
 from turnout.auth import ANONYMOUS_ADMIN, Principal
 from turnout.errors import InvalidInput
-from turnout.models import Completion, Device, Role, TaskState, Variant, check_capability_name
+from turnout.models import Completion, Device, Role, Task, TaskState, Variant, check_capability_name
 from turnout.resources import parse_resources
 
 
@@ -129,6 +129,10 @@ def create_app(service: Service) -> FastAPI:
                 raise InvalidInput("Last-Event-ID: expected the seq number of the last event seen", field="Last-Event-ID")
             start = max(start, int(last_event_id))
 
+        def frame(seq: int, ts: float | None, body: dict[str, Any]) -> bytes:
+            payload = {**body, "seq": seq, "ts": iso(ts)}
+            return f"id: {seq}\nevent: {body.get('event', 'message')}\ndata: {json.dumps(payload)}\n\n".encode()
+
         async def stream() -> AsyncIterator[bytes]:
             seen = start
             while True:
@@ -136,18 +140,21 @@ def create_app(service: Service) -> FastAPI:
                 batch = await service.call(ctrl.store.read_events, task_id, seen, 5000)
                 for seq, ts, body in batch:
                     seen = seq
-                    payload = {**body, "seq": seq, "ts": iso(ts)}
-                    yield f"id: {seq}\nevent: {body.get('event', 'message')}\ndata: {json.dumps(payload)}\n\n".encode()
+                    yield frame(seq, ts, body)
                     if body.get("event") == "finish":
                         return
                 if batch:
                     continue
                 task = await service.call(ctrl.get_task, None, task_id)
                 if task.state.terminal:
-                    tail = await service.call(ctrl.store.read_events, task_id, seen, 5000)
-                    if not tail:
-                        return
-                    continue
+                    # Python handlers' results arrive as the task's completion, not as stored events: the
+                    # stream ends with a `finish` made from the task record, at the next seq, every time alike.
+                    if await service.call(ctrl.store.read_events, task_id, seen, 1):
+                        continue
+                    last = await service.call(ctrl.store.last_event_seq, task_id)
+                    if seen <= last:
+                        yield frame(last + 1, task.finished_at, finish_event(task))
+                    return
                 if await request.is_disconnected():
                     return
                 await Signal.wait(signal, POLL_S)
@@ -264,13 +271,13 @@ def create_app(service: Service) -> FastAPI:
     @app.post("/v1/tokens", status_code=201)
     async def create_token(body: TokenIn, p: Principal = need("admin")) -> dict[str, Any]:
         token_id, token = await service.call(service.tokens.create, body.role, body.tenant)
-        await service.call(ctrl._audit, "token_created", body.tenant, {"id": token_id, "role": body.role, "by": p.token_id})
+        await service.call(ctrl.audit, "token_created", body.tenant, {"id": token_id, "role": body.role, "by": p.token_id})
         return {"id": token_id, "token": token, "role": body.role, "tenant": body.tenant}
 
     @app.delete("/v1/tokens/{token_id}")
     async def revoke_token(token_id: str, p: Principal = need("admin")) -> dict[str, Any]:
         await service.call(service.tokens.revoke, token_id)
-        await service.call(ctrl._audit, "token_revoked", None, {"id": token_id, "by": p.token_id})
+        await service.call(ctrl.audit, "token_revoked", None, {"id": token_id, "by": p.token_id})
         return {"id": token_id, "revoked": True}
 
     @app.get("/v1/audit")
@@ -289,6 +296,12 @@ def create_app(service: Service) -> FastAPI:
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def finish_event(task: Task) -> dict[str, Any]:
+    if task.state is TaskState.SUCCEEDED:
+        return {"event": "finish", "status": "completed", "output": task.output}
+    return {"event": "finish", "status": "failed", "state": task.state.value, "error": task.error}
 
 
 def _parse_since(since: str | None) -> float | None:

@@ -336,12 +336,12 @@ class FgdPolicy(_Base):
 
 
 class TurnoutPolicy(FgdPolicy):
-    """Turnout's default: FGD's fragmentation gradient, kept exact, with packing as the tie-break.
+    """Turnout's default: FGD's score first, then best fit instead of an arbitrary node on ties.
 
-    Why not plain FGD: its integer sigmoid score maps every gain above ~+0.05 GPU or below ~-0.05 GPU to the
-    same few values, so many nodes tie and the tie goes to an arbitrary node. Here the raw gain ranks
-    first; among equal gains the node with less GPU and CPU left wins (best fit), so big empty nodes stay
-    whole for the large multi-GPU tasks that arrive later.
+    FGD's integer sigmoid score maps most gains to a handful of values, so many nodes tie and the paper's
+    scheduler hands the task to whichever comes first in its (random) node order. Breaking those ties by
+    best fit (least GPU, then CPU, left after placement) keeps big empty nodes whole for the multi-GPU
+    tasks that arrive later, at no extra cost: both terms come from one evaluation.
     """
 
     name = "turnout"
@@ -354,12 +354,13 @@ class TurnoutPolicy(FgdPolicy):
         host: Host,
         grant: GpuGrant | None,
     ) -> float:
-        gain = self.gain(request, units, usage, host, grant)
+        fgd = float(int(_sigmoid(self.gain(request, units, usage, host, grant)) * 100))
         gpu_left = sum(_left_ppm(u, usage.get(u.uuid, _EMPTY)) for u in units) / PPM - _gpu_units_of(
             grant, units
         )
         cpu_left = host.cpu_free - request.cpu if math.isfinite(host.cpu_free) else 0.0
-        return round(gain, 9) * 1e3 - gpu_left / _GPU_SCALE * 0.5 - cpu_left / _CPU_SCALE * 0.5
+        # best fit in [0, 1): never outweighs one point of FGD
+        return fgd + 0.5 / (1.0 + gpu_left + cpu_left / _CPU_SCALE * _GPU_SCALE * 0.01)
 
 
 POLICY_NAMES = ("random", "bestfit", "fgd", "turnout")

@@ -249,6 +249,12 @@ class SqlStore:
                 conn.execute(ev.insert(), rows)
         return last
 
+    def last_event_seq(self, task_id: str) -> int:
+        ev = schema.events
+        with self.engine.connect() as conn:
+            query = sa.select(sa.func.coalesce(sa.func.max(ev.c.seq), 0)).where(ev.c.task_id == task_id)
+            return int(conn.execute(query).scalar_one())
+
     def read_events(self, task_id: str, after: int = 0, limit: int = 1000) -> list[tuple[int, float, dict[str, Any]]]:
         ev = schema.events
         query = (

@@ -15,7 +15,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -102,6 +102,7 @@ class Agent:
         self._events: list[dict[str, Any]] = []
         self._completions_ready = asyncio.Event()
         self._events_ready = asyncio.Event()
+        self._events_lock = asyncio.Lock()  # one sender at a time, so events are stored once and in order
         self._leasing = True
         self._registered = asyncio.Event()
 
@@ -138,7 +139,8 @@ class Agent:
             await asyncio.wait(list(self.running.values()), timeout=self.settings.drain_grace_s)
         for t in list(self.running.values()):
             t.cancel()
-        await self._flush()
+        with contextlib.suppress(asyncio.TimeoutError):  # a controller that is gone too must not hold us
+            await asyncio.wait_for(self._flush(), timeout=5.0)
         for loop in loops:
             loop.cancel()
         await asyncio.gather(*loops, return_exceptions=True)
@@ -261,20 +263,26 @@ class Agent:
         self._completions_ready.set()
 
     async def _send_completions(self) -> None:
-        await self._drain_forever(self._completions, self._completions_ready, "complete", "results")
+        await self._drain_forever(self._completions_ready, self._post_completions)
 
     async def _send_events(self) -> None:
-        await self._drain_forever(self._events, self._events_ready, "events", "events", linger_s=0.005)
+        await self._drain_forever(self._events_ready, self._post_events)
 
-    async def _drain_forever(self, buf: list[dict[str, Any]], ready: asyncio.Event, path: str, key: str,
-                             linger_s: float = 0.0) -> None:  # fmt: skip
+    async def _drain_forever(self, ready: asyncio.Event, post: Callable[[], Awaitable[None]]) -> None:
         """Send whatever accumulated while the previous request was in flight: natural batching."""
         while True:
             await ready.wait()
             ready.clear()
-            if linger_s:
-                await asyncio.sleep(linger_s)
-            await self._post_batch(buf, path, key)
+            await post()
+
+    async def _post_events(self) -> None:
+        async with self._events_lock:
+            await self._post_batch(self._events, "events", "events")
+
+    async def _post_completions(self) -> None:
+        # A task's events are stored before its completion: a stream that ends when the task does misses none.
+        await self._post_events()
+        await self._post_batch(self._completions, "complete", "results")
 
     async def _post_batch(self, buf: list[dict[str, Any]], path: str, key: str) -> None:
         while buf:
@@ -288,8 +296,7 @@ class Agent:
                 await asyncio.sleep(0.5)
 
     async def _flush(self) -> None:
-        await self._post_batch(self._events, "events", "events")
-        await self._post_batch(self._completions, "complete", "results")
+        await self._post_completions()
 
     async def _reap_idle_loop(self) -> None:
         while True:

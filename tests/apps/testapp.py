@@ -1,0 +1,63 @@
+"""A worker app for tests: handlers that count their runs, sleep, spawn children, or fail on purpose."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from turnout import Context, WorkerApplication
+
+app = WorkerApplication("tests")
+
+
+def _record(data: dict[str, Any], ctx: Context) -> None:
+    log = data.get("log")
+    if log:
+        with open(log, "a") as fh:  # O_APPEND: one line per run, atomic for short lines
+            fh.write(f"{ctx.task_id} {os.getpid()} {ctx.device}\n")
+
+
+@app.capability("count", cpu=0.1)
+def count(ctx: Context, data: dict[str, Any]) -> dict[str, Any]:
+    _record(data, ctx)
+    time.sleep(float(data.get("sleep", 0)))
+    if ctx.attempt == 1:
+        time.sleep(float(data.get("sleep_first_attempt", 0)))
+    return {"n": data.get("n"), "pid": os.getpid()}
+
+
+@app.capability("work", cpu=0.5)
+def work_cpu(ctx: Context, data: dict[str, Any]) -> dict[str, Any]:
+    _record(data, ctx)
+    time.sleep(float(data.get("sleep", 0)))
+    return {"device": ctx.device, "gpus": ctx.gpus, "env": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+@app.capability("work", gpu=1, cpu=0.5)
+def work_gpu(ctx: Context, data: dict[str, Any]) -> dict[str, Any]:
+    _record(data, ctx)
+    time.sleep(float(data.get("sleep", 0)))
+    return {"device": ctx.device, "gpus": ctx.gpus, "env": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+@app.capability("gpuonly", gpu=1, cpu=0.1)
+def gpu_only(ctx: Context, data: Any) -> dict[str, Any]:
+    return {"device": ctx.device}
+
+
+@app.capability("spawn", cpu=0.1)
+def spawn(ctx: Context, data: dict[str, Any]) -> dict[str, Any]:
+    """Starts a grandchild that would outlive us, writes its pid, then sleeps."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    Path(data["pidfile"]).write_text(f"{os.getpid()} {child.pid}\n")
+    time.sleep(float(data.get("sleep", 600)))
+    return {}
+
+
+@app.capability("boom", cpu=0.1)
+def boom(ctx: Context, data: Any) -> None:
+    raise ValueError("boom")

@@ -1,0 +1,174 @@
+"""Fixtures that start the real thing: a controller and workers as subprocesses on loopback.
+
+Every process a test starts is registered with `Processes`, which kills its whole process group at
+teardown, also when the test fails. pytest-timeout bounds every test, so nothing hangs CI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = (REPO / ".." / "shared").resolve()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Processes:
+    """Every subprocess a test starts; all are killed (with their process groups) at teardown."""
+
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def start(self, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+        fh = log.open("ab")
+        proc = subprocess.Popen(argv, env=env, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, cwd=str(REPO))  # fmt: skip
+        self.procs.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        for proc in self.procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+
+
+@dataclass
+class Cluster:
+    """A controller on a real SQLite file (or PostgreSQL), and a way to add workers to it."""
+
+    tmp: Path
+    procs: Processes
+    db: str
+    port: int = field(default_factory=free_port)
+    token: str = ""
+    controller: subprocess.Popen[bytes] | None = None
+    heartbeat_s: float = 0.5
+    extra_args: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TURNOUT_")}
+        env.update(TURNOUT_HOME=str(self.tmp / "home"), TURNOUT_URL=self.url, PYTHONUNBUFFERED="1",
+                   PYTHONPATH=str(REPO))  # fmt: skip
+        if self.token:
+            env["TURNOUT_TOKEN"] = self.token
+        return env
+
+    def start_controller(self) -> None:
+        argv = [sys.executable, "-m", "turnout.cli", "controller", "--db", self.db, "--port", str(self.port),
+                "--home", str(self.tmp / "home"), "--heartbeat-s", str(self.heartbeat_s), *self.extra_args]  # fmt: skip
+        self.controller = self.procs.start(argv, self.env, self.tmp / "controller.log")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.controller.poll() is not None:
+                raise RuntimeError(f"controller exited: {(self.tmp / 'controller.log').read_text()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.05)
+        else:
+            raise RuntimeError("controller did not come up")
+        self.token = (self.tmp / "home" / "admin.token").read_text().strip()
+
+    def kill_controller(self) -> None:
+        assert self.controller is not None
+        os.killpg(self.controller.pid, signal.SIGKILL)
+        self.controller.wait(timeout=10)
+
+    def start_worker(self, *apps: str, gpus: str = "none", name: str = "w", extra: list[str] | None = None,
+                     wait: bool = True) -> subprocess.Popen[bytes]:  # fmt: skip
+        argv = [sys.executable, "-m", "turnout.cli", "worker", *apps, "--controller", self.url, "--gpus", gpus,
+                "--name", name, "--heartbeat-s", str(self.heartbeat_s), *(extra or [])]  # fmt: skip
+        proc = self.procs.start(argv, self.env, self.tmp / f"worker-{name}.log")
+        if wait:
+            self.wait_for_worker(name)
+        return proc
+
+    def wait_for_worker(self, name: str, timeout_s: float = 30) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for w in self.api("GET", "/v1/workers").json()["workers"]:
+                if w["name"] == name and w["state"] == "healthy":
+                    return w
+            time.sleep(0.05)
+        logs = (self.tmp / f"worker-{name}.log").read_text() if (self.tmp / f"worker-{name}.log").exists() else ""
+        raise RuntimeError(f"worker {name} did not register: {logs[-3000:]}")
+
+    def api(self, method: str, path: str, **kwargs: object) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {self.token}"}
+        return httpx.request(method, f"{self.url}{path}", headers=headers, timeout=60, **kwargs)  # type: ignore[arg-type]
+
+    def submit(self, capability: str, input: object = None, **options: object) -> dict:
+        resp = self.api("POST", "/v1/tasks", json={"capability": capability, "input": input, **options})
+        assert resp.status_code == 201, resp.text
+        return resp.json()
+
+    def result(self, task_id: str, wait: float = 30) -> dict:
+        deadline = time.monotonic() + wait
+        while True:
+            task = self.api("GET", f"/v1/tasks/{task_id}/result", params={"wait": min(10, wait)}).json()
+            if task["state"] in ("succeeded", "failed", "cancelled") or time.monotonic() > deadline:
+                return task
+
+    def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "turnout.cli", *args], env=self.env, capture_output=True,
+                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)  # fmt: skip
+
+
+@pytest.fixture
+def processes() -> Iterator[Processes]:
+    procs = Processes()
+    try:
+        yield procs
+    finally:
+        procs.stop_all()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, processes: Processes) -> Cluster:
+    """A running controller on a fresh SQLite file; add workers with `cluster.start_worker(...)`."""
+    c = Cluster(tmp_path, processes, f"sqlite:///{tmp_path / 'turnout.db'}")
+    c.start_controller()
+    return c
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(FileNotFoundError):
+        if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
+            return False
+    return True
