@@ -55,8 +55,14 @@ def paper_values() -> dict[tuple[str, str], float]:
     return {k: statistics.fmean(v) for k, v in acc.items()}
 
 
-def placement_cost_ms(policy: str, workers: int = 1000, gpus: int = 8, decisions: int = 300) -> float:
-    """Median ms per `choose` on a fleet of `workers` x `gpus` that is about half used, as in production."""
+def placement_cost_ms(
+    policy: str, workers: int = 1000, gpus: int = 8, decisions: int = 300, cold: bool = False
+) -> float:
+    """Median ms per `choose` on a fleet of `workers` x `gpus` that is about half used, as in production.
+
+    `cold`: every timed decision is a request shape never seen before, so no worker's answer is memoised
+    (the worst case: one full policy evaluation per distinct worker state).
+    """
     rng = random.Random(1)
     units_of = {
         f"w{i}": [GpuUnit(f"w{i}-g{g}", g, "A100-80GB", 80 * 10**9) for g in range(gpus)]
@@ -73,6 +79,8 @@ def placement_cost_ms(policy: str, workers: int = 1000, gpus: int = 8, decisions
     times = []
     for n in range(workers * 2 + decisions):  # fill to ~half, then time `decisions` more
         request = rng.choice(shapes)
+        if cold and n >= workers * 2:
+            request = GpuRequest(fraction=0.3, cpu=1 + n / 10_000)
         t0 = time.perf_counter()
         choice = index.choose(request)
         elapsed = time.perf_counter() - t0
@@ -141,6 +149,10 @@ def _print(result: dict[str, Any]) -> None:
     console.print(
         "Placement cost, ms per decision, 1,000 workers x 8 GPUs: "
         + ", ".join(f"{p} {ms}" for p, ms in result["placement_ms_1000x8"].items())
+    )
+    console.print(
+        "  cold (a request shape never seen, nothing memoised): "
+        + ", ".join(f"{p} {ms}" for p, ms in result["placement_ms_1000x8_cold"].items())
     )
     console.print(f"Trace mapping: {result['mapping']}")
 
