@@ -24,7 +24,7 @@ from turnout.worker.docker import engine_answers
 LOADING_WORKER = REPO / "examples" / "loading-worker" / "worker.py"
 
 # One program, told by its input how to misbehave; it reports its pids as `worker` events.
-MISBEHAVING = textwrap.dedent('''
+MISBEHAVING = textwrap.dedent("""
     import json, os, sys, time
 
     def emit(**event):
@@ -76,7 +76,7 @@ MISBEHAVING = textwrap.dedent('''
                     "TURNOUT_TASK_ID", "EXTRA"]
             emit(event="result", data={k: os.environ.get(k) for k in keys} | {"line": line.strip()})
             emit(event="finish", status="completed")
-''')
+""")
 
 
 def presets_yaml(tmp: Path) -> Path:
@@ -124,7 +124,9 @@ def events_of(cluster: Cluster, task_id: str) -> list[dict[str, Any]]:
         return list(client.task(task_id).events())
 
 
-def run(cluster: Cluster, capability: str, data: Any, **options: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def run(
+    cluster: Cluster, capability: str, data: Any, **options: Any
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     task = cluster.result(cluster.submit(capability, data, **options)["id"], wait=20)
     return task, events_of(cluster, task["id"])
 
@@ -164,7 +166,10 @@ def test_session_mode_serves_many_tasks_from_one_process_that_loads_once(served:
         assert task["state"] == "succeeded", task
         outputs.append(task["output"])
     assert len({o["pid"] for o in outputs}) == 1
-    assert [o["tasks_served"] for o in outputs][-2:] == [outputs[0]["tasks_served"] + 1, outputs[0]["tasks_served"] + 2]
+    assert [o["tasks_served"] for o in outputs][-2:] == [
+        outputs[0]["tasks_served"] + 1,
+        outputs[0]["tasks_served"] + 2,
+    ]
     assert not any(e["event"] == "progress" for e in events)  # the model stayed loaded
 
 
@@ -187,7 +192,8 @@ def test_the_program_gets_the_raw_input_line_and_the_contract_env(served: Cluste
     assert out["MODEL_PATH"] == str(served.tmp / "models" / "misbehaving-oneoff")
     assert out["TURNOUT_TASK_ID"] == task["id"]
     assert out["EXTRA"] == "x"
-    assert out["CUDA_VISIBLE_DEVICES"] == "" and out["NVIDIA_VISIBLE_DEVICES"] == "void"  # a CPU task sees no GPU
+    # a CPU task sees no GPU
+    assert out["CUDA_VISIBLE_DEVICES"] == "" and out["NVIDIA_VISIBLE_DEVICES"] == "void"
 
 
 def test_a_gpu_preset_sees_only_its_granted_gpu(served: Cluster) -> None:

@@ -36,7 +36,8 @@ def container_env(env: Mapping[str, str], model: str, gpu_count: int) -> dict[st
     """The contract's env as seen inside the container: the model under the read-only mount, GPUs renumbered."""
     out = dict(env)
     out["MODEL_PATH"] = f"{CONTAINER_MODELS_DIR}/{model}"
-    out["GPU_DEVICE"] = ",".join(str(i) for i in range(gpu_count))  # `--gpus` shows the granted GPUs as 0..n-1
+    # `--gpus` shows the container its granted GPUs as 0..n-1
+    out["GPU_DEVICE"] = ",".join(str(i) for i in range(gpu_count))
     return out
 
 

@@ -73,7 +73,9 @@ def load_presets(path: Path) -> list[Preset]:
     try:
         doc = yaml.safe_load(Path(path).read_text())
     except OSError as exc:
-        raise InvalidInput(f"presets file {path}: cannot read it ({exc.strerror or exc})", field="presets") from None
+        raise InvalidInput(
+            f"presets file {path}: cannot read it ({exc.strerror or exc})", field="presets"
+        ) from None
     except yaml.YAMLError as exc:
         raise InvalidInput(f"presets file {path}: not valid YAML ({exc})", field="presets") from None
     try:
@@ -115,7 +117,9 @@ def _parse_inference(name: str, spec: Any, at: str) -> Preset:
     if mode_text not in {m.value for m in Mode}:
         raise _bad(f"{at}.mode", f"expected one-off or session, got {mode_text!r}")
     mode = Mode(mode_text)
-    timeout_s = _number(spec.get("timeout_s"), f"{at}.timeout_s") if spec.get("timeout_s") is not None else None
+    timeout_s = (
+        _number(spec.get("timeout_s"), f"{at}.timeout_s") if spec.get("timeout_s") is not None else None
+    )
     min_processes = spec.get("min_processes", 0)
     if isinstance(min_processes, bool) or not isinstance(min_processes, int) or min_processes < 0:
         raise _bad(f"{at}.min_processes", f"expected a whole number >= 0, got {min_processes!r}")
@@ -155,7 +159,12 @@ def _env_vars(value: Any, at: str) -> tuple[tuple[str, str], ...]:
 
 
 def _number(value: Any, at: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
         raise _bad(at, f"expected a number of seconds > 0, got {value!r}")
     return float(value)
 
@@ -231,6 +240,8 @@ def preset_process(
         name = docker.container_name(preset.name)
         argv = docker.docker_argv(preset.docker_image, name=name, env_keys=list(inside), gpu_uuids=uuids,
                                   models_dir=models_dir)  # fmt: skip
-        return ProtocolProcess(guarded_argv(argv), {**base_env, **inside}, cleanup_argv=docker.remove_argv(name), **options)
+        return ProtocolProcess(
+            guarded_argv(argv), {**base_env, **inside}, cleanup_argv=docker.remove_argv(name), **options
+        )
     command = list(preset.command or ())  # parse_presets guarantees a command where there is no image
     return ProtocolProcess(guarded_argv(command), {**base_env, **env}, **options)
