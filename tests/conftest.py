@@ -155,6 +155,19 @@ def processes() -> Iterator[Processes]:
         procs.stop_all()
 
 
+@pytest.fixture(scope="module")
+def shared_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """One controller (and the workers a module adds) for a whole module of tests that do not disturb it."""
+    procs = Processes()
+    tmp = tmp_path_factory.mktemp("cluster")
+    try:
+        c = Cluster(tmp, procs, f"sqlite:///{tmp / 'turnout.db'}")
+        c.start_controller()
+        yield c
+    finally:
+        procs.stop_all()
+
+
 @pytest.fixture
 def cluster(tmp_path: Path, processes: Processes) -> Cluster:
     """A running controller on a fresh SQLite file; add workers with `cluster.start_worker(...)`."""

@@ -15,7 +15,6 @@ from turnout.errors import InvalidInput
 from turnout.models import GpuMode, Task, TaskSpec, Worker, check_capability_name
 from turnout.resources import parse_resources
 
-GpuValue = bool | Literal["prefer", "never", "require", "auto"]
 
 
 class Strict(BaseModel):
@@ -25,7 +24,7 @@ class Strict(BaseModel):
 class TaskIn(Strict):
     capability: str
     input: Any = None
-    gpu: GpuValue = "auto"
+    gpu: Any = "auto"  # validated by GpuMode.parse, for a message that lists the values
     gpu_wait_s: float = Field(10.0, ge=0, le=86_400)
     resources: dict[str, Any] | None = None
     priority: int = Field(0, ge=-1000, le=1000)

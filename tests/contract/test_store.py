@@ -1,0 +1,127 @@
+"""One suite over every store backend: SQLite (a real file) and PostgreSQL (a fresh database per test).
+
+PostgreSQL is `TURNOUT_TEST_POSTGRES` (default postgresql://postgres@127.0.0.1:5432/test); where none
+answers, its cases are skipped with the reason, except under CI=true, where a missing PostgreSQL fails.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from turnout.models import Device, GpuMode, Task, TaskSpec, TaskState, Variant, Worker, WorkerState
+from turnout.resources import parse_resources
+from turnout.store import SqlStore, open_store
+from turnout.store.sql import normalise_url
+
+PG_URL = os.environ.get("TURNOUT_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+def _fresh_pg_database() -> tuple[str, str]:
+    """Create an empty database next to the configured one; returns (its url, admin url)."""
+    admin = sa.create_engine(normalise_url(PG_URL), isolation_level="AUTOCOMMIT")
+    name = f"turnout_test_{secrets.token_hex(4)}"
+    try:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    except sa.exc.OperationalError as exc:
+        admin.dispose()
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"PostgreSQL at {PG_URL} does not answer under CI=true: {exc}")
+        pytest.skip(f"no PostgreSQL at {PG_URL}: {exc.orig}")
+    admin.dispose()
+    return PG_URL.rsplit("/", 1)[0] + f"/{name}", name
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SqlStore]:
+    if request.param == "sqlite":
+        s = open_store(f"sqlite:///{tmp_path / 'store.db'}")
+        yield s
+        s.close()
+        return
+    url, name = _fresh_pg_database()
+    s = open_store(url)
+    try:
+        yield s
+    finally:
+        s.close()
+        admin = sa.create_engine(normalise_url(PG_URL), isolation_level="AUTOCOMMIT")
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def _task(i: int, key: str | None = None, tenant: str = "default", priority: int = 0) -> Task:
+    spec = TaskSpec(capability="cap", input={"n": i}, gpu=GpuMode.PREFER, idempotency_key=key, priority=priority,
+                    resources=parse_resources({"memory": "1Gi"}), resource_keys=frozenset({"memory"}))  # fmt: skip
+    now = time.time() + i * 1e-3
+    return Task(id=f"t_{i:06d}", tenant=tenant, spec=spec, state=TaskState.QUEUED, created_at=now, queued_at=now)
+
+
+def test_inserted_tasks_read_back_identically(store: SqlStore) -> None:
+    t = _task(1)
+    store.insert_tasks([t])
+    assert store.get_task(t.id) == t
+
+
+def test_idempotency_key_yields_the_stored_task_per_tenant(store: SqlStore) -> None:
+    first = store.insert_tasks([_task(1, key="k")])[0]
+    again = store.insert_tasks([_task(2, key="k"), _task(3, key="k", tenant="acme")])
+    assert again[0].id == first.id
+    assert again[1].id == "t_000003"
+
+
+def test_conditional_updates_apply_once(store: SqlStore) -> None:
+    store.insert_tasks([_task(1)])
+    lease = ("t_000001", (TaskState.QUEUED,), 0, {"state": TaskState.LEASED, "attempts": 1, "worker_id": "w"})
+    assert store.update_tasks([lease]) == ["t_000001"]
+    assert store.update_tasks([lease]) == []  # the second claim loses
+    done = ("t_000001", (TaskState.LEASED, TaskState.RUNNING), 1, {"state": TaskState.SUCCEEDED, "output": {"ok": 1}})
+    stale = ("t_000001", (TaskState.LEASED, TaskState.RUNNING), 0, {"state": TaskState.FAILED})
+    assert store.update_tasks([stale]) == []  # a report from an older attempt is refused
+    assert store.update_tasks([done]) == ["t_000001"]
+    assert store.get_task("t_000001").output == {"ok": 1}
+
+
+def test_queue_order_is_priority_then_age(store: SqlStore) -> None:
+    store.insert_tasks([_task(1), _task(2, priority=5), _task(3)])
+    assert [t.id for t in store.queued_tasks(["cap"])] == ["t_000002", "t_000001", "t_000003"]
+
+
+def test_listing_pages_newest_first(store: SqlStore) -> None:
+    store.insert_tasks([_task(i) for i in range(5)])
+    page = store.list_tasks(tenant="default", limit=2)
+    assert [t.id for t in page] == ["t_000004", "t_000003"]
+    assert [t.id for t in store.list_tasks(tenant="default", limit=10, cursor=page[-1].id)] == ["t_000002", "t_000001", "t_000000"]
+
+
+def test_workers_round_trip(store: SqlStore) -> None:
+    w = Worker(id="w_1", name="n", host="h", state=WorkerState.HEALTHY,
+               variants=(Variant("cap", Device.GPU, parse_resources({"gpu": 1})),), cpu=2.0, memory_bytes=2**30,
+               gpus=({"index": 0, "uuid": "GPU-x", "name": "X", "memory_total_bytes": 2**30},), strategy="pack",
+               registered_at=1.0, last_heartbeat=2.0, heartbeat_s=5.0)  # fmt: skip
+    store.upsert_worker(w)
+    assert store.get_worker("w_1") == w
+    assert store.update_worker("w_1", (WorkerState.HEALTHY,), state="unhealthy")
+    assert not store.update_worker("w_1", (WorkerState.HEALTHY,), state="draining")
+
+
+def test_events_get_per_task_sequence_numbers(store: SqlStore) -> None:
+    store.append_events([("a", 1.0, {"event": "log"}), ("b", 1.0, {"event": "log"}), ("a", 2.0, {"event": "text"})])
+    store.append_events([("a", 3.0, {"event": "finish"})])
+    assert [s for s, _, _ in store.read_events("a")] == [1, 2, 3]
+    assert [b["event"] for _, _, b in store.read_events("a", after=1)] == ["text", "finish"]
+    assert store.last_event_seq("b") == 1
+
+
+def test_migrations_are_recorded_and_idempotent(store: SqlStore) -> None:
+    again = SqlStore(store.url)
+    assert again.schema_version == store.schema_version >= 1
+    again.close()
