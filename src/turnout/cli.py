@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -138,6 +139,8 @@ def worker(
     strategy: str = typer.Option("pack", help="GPU placement on this worker: pack or spread."),
     cpus: Optional[float] = typer.Option(None, help="Cores to offer (default: all)."),
     heartbeat_s: float = typer.Option(5.0, help="Heartbeat period."),
+    canary: Optional[str] = typer.Option(None, help="Command that must exit 0 before a quarantined GPU is used again."),
+    canary_backoff_s: float = typer.Option(30.0, help="Wait before a quarantined GPU's first canary (doubles on failure)."),
     verbose: bool = typer.Option(False, "-v", "--verbose"),
 ) -> None:
     """A worker: serves the given apps (and presets) with the GPUs it finds."""
@@ -164,7 +167,8 @@ def worker(
         runnables += preset_runnables(presets, base_env, models_dir=models_dir)
     settings = AgentSettings(controller_url=controller_url or default_url(), token=token or default_token(),
                              name=name or socket.gethostname(), gpus=gpus, strategy=strategy, cpus=cpus,
-                             heartbeat_s=heartbeat_s)  # fmt: skip
+                             heartbeat_s=heartbeat_s, canary_command=shlex.split(canary) if canary else None,
+                             canary_backoff_s=canary_backoff_s)  # fmt: skip
     run_agent_until_signalled(Agent(settings, runnables))
 
 

@@ -40,7 +40,7 @@ from turnout.models import (
     WorkerState,
 )
 from turnout.resources import Resources
-from turnout.routing import ClusterView, WorkerOffer, route, servable
+from turnout.routing import ClusterView, Route, WorkerOffer, route, servable
 from turnout.store import SqlStore
 
 log = logging.getLogger("turnout.controller")
@@ -227,6 +227,10 @@ class Controller:
                              offer, cluster_cache[key])  # fmt: skip
             if decision is None:
                 continue
+            last_error = (task.routing or {}).get("last_error") or {}
+            if last_error.get("type") == "gpu_oom" and decision.device is Device.CPU:
+                decision = Route(Device.CPU, f"gpu out of memory on {', '.join(task.routing['avoid_gpus'])}; "
+                                             f"{decision.reason}")  # fmt: skip
             res = gpu_res if decision.device is Device.GPU else cpu_res
             assert res is not None  # route() only picks a device whose variant fits
             room.cpu -= res.cpu
@@ -235,9 +239,11 @@ class Controller:
             alloc: dict[str, Any] = {"cpu": res.cpu, "memory": res.memory_bytes}
             if decision.device is Device.GPU and grant is not None:
                 room.usage = add_grant(room.usage, grant, _workload(task))
-                grant_dict = grant.to_dict()
+                grant_dict = {**grant.to_dict(),
+                              "unit_memory_bytes": min(u.memory_bytes for u in room.units if u.uuid in grant.uuids)}
                 alloc["gpu_share"] = _gpu_share(grant, room.units)
-            routing = {"requested": task.spec.gpu.value, "device": decision.device.value, "reason": decision.reason}
+            kept = {k: v for k, v in (task.routing or {}).items() if k in ("avoid_gpus", "last_error")}
+            routing = {**kept, "requested": task.spec.gpu.value, "device": decision.device.value, "reason": decision.reason}
             values = {
                 "state": TaskState.LEASED, "worker_id": worker_id, "device": decision.device, "gpus": grant_dict,
                 "gpu_model": grant.model if grant_dict and grant else None, "routing": routing, "leased_at": now,
@@ -264,9 +270,8 @@ class Controller:
     def _try_gpu(self, room: _Room, res: Resources, task: Task) -> GpuGrant | None:
         if not _fits(room, res) or not room.units:
             return None
-        avoid = set((task.routing or {}).get("avoid_gpus", ()))
-        units = [u for u in room.units if u.uuid not in avoid and u.parent_uuid not in avoid] if avoid else room.units
-        return allocate(GpuRequest.from_resources(res, _workload(task)), units, room.usage, room.strategy)
+        return allocate(GpuRequest.from_resources(res, _workload(task)), _usable(room.units, task), room.usage,
+                        room.strategy)  # fmt: skip
 
     def _cluster_view(self, workers: Sequence[Worker], task: Task) -> ClusterView:
         gpu_possible = cpu_possible = False
@@ -277,7 +282,7 @@ class Controller:
             if cpu_res and cpu_res.cpu <= w.cpu and cpu_res.memory_bytes <= w.memory_bytes:
                 cpu_possible = True
             if gpu_res and gpu_res.cpu <= w.cpu and gpu_res.memory_bytes <= w.memory_bytes:
-                units = units_of(devices_from_dicts(w.gpus), frozenset(w.quarantined))
+                units = _usable(units_of(devices_from_dicts(w.gpus), frozenset(w.quarantined)), task)
                 if fits_ever(GpuRequest.from_resources(gpu_res, _workload(task)), units):
                     gpu_possible = True
         return ClusterView(gpu_possible=gpu_possible, cpu_possible=cpu_possible)
@@ -331,10 +336,9 @@ class Controller:
         for t, error in items:
             routing = dict(t.routing or {})
             if error.get("type") == "gpu_oom" and t.gpus:
-                # do not try the same GPU blindly: remember it, and how much memory was not enough
+                # never blindly the same GPU again: another one (whose free memory is its own), or the CPU
                 grant = GpuGrant.from_dict(t.gpus)
                 routing["avoid_gpus"] = sorted(set(routing.get("avoid_gpus", [])) | set(grant.uuids))
-                routing["min_gpu_memory"] = max(routing.get("min_gpu_memory", 0), grant.memory_bytes + 1)
             routing["last_error"] = error
             values = {"state": TaskState.QUEUED, "worker_id": None, "device": None, "gpus": None, "gpu_model": None,
                       "queued_at": now, "routing": routing, "alloc": None}  # fmt: skip
@@ -451,10 +455,13 @@ def _needs(variant: Variant | None, task: Task) -> Resources | None:
     res = variant.resources.merged(task.spec.resources, task.spec.resource_keys)
     if variant.device is Device.CPU and res.wants_gpu:
         res = replace(res, gpu=0, gpu_memory_bytes=None, gpu_models=(), min_compute_capability=None)
-    min_mem = (task.routing or {}).get("min_gpu_memory")
-    if variant.device is Device.GPU and min_mem and res.is_shared_gpu:
-        res = replace(res, gpu=0, gpu_memory_bytes=max(res.gpu_memory_bytes or 0, int(min_mem)))
     return res
+
+
+def _usable(units: Sequence[GpuUnit], task: Task) -> Sequence[GpuUnit]:
+    """Units this task may use: not the GPUs it already ran out of memory on."""
+    avoid = set((task.routing or {}).get("avoid_gpus", ()))
+    return [u for u in units if u.uuid not in avoid and u.parent_uuid not in avoid] if avoid else units
 
 
 def _fits(room: _Room, res: Resources) -> bool:

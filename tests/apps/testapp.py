@@ -61,3 +61,27 @@ def spawn(ctx: Context, data: dict[str, Any]) -> dict[str, Any]:
 @app.capability("boom", cpu=0.1)
 def boom(ctx: Context, data: Any) -> None:
     raise ValueError("boom")
+
+
+@app.capability("oom", cpu=0.1)
+def oom_cpu(ctx: Context, data: Any) -> dict[str, Any]:
+    return {"device": ctx.device}
+
+
+@app.capability("oom", gpu_memory="8Gi", cpu=0.1)
+def oom_gpu(ctx: Context, data: dict[str, Any]) -> dict[str, Any]:
+    """Runs out of GPU memory on its first attempt, like a batch that was too large for that GPU."""
+    if ctx.attempt == 1:
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    return {"device": ctx.device, "gpus": ctx.gpus, "limit": os.environ.get("TURNOUT_GPU_MEMORY_LIMIT"),
+            "fraction": os.environ.get("TURNOUT_GPU_MEMORY_FRACTION")}
+
+
+@app.capability("hog", gpu_memory="4Gi", cpu=0.1)
+def hog(ctx: Context, data: dict[str, Any]) -> dict[str, Any]:
+    """Reports (through the fake GPU's state file) that it uses more memory than its share, then waits."""
+    from turnout.gpu.fake import write_fake_state
+
+    write_fake_state(Path(data["state"]), ctx.gpus[0], processes=[{"pid": os.getpid(), "used_memory_bytes": data["bytes"]}])
+    time.sleep(float(data.get("sleep", 30)))
+    return {}

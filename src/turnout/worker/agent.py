@@ -28,6 +28,7 @@ from turnout.gpu.devices import GpuDevice, units_of
 from turnout.gpu.provider import Discovery, discover
 from turnout.models import Device, Variant
 from turnout.worker.app import HandlerVariant, WorkerApplication
+from turnout.worker.gpuwatch import GpuWatch, SharedTask, memory_over_limit, process_tree
 from turnout.worker.processes import Outcome, ProcessPool, ProtocolProcess
 from turnout.worker.visibility import gpu_env
 
@@ -46,6 +47,8 @@ class AgentSettings:
     heartbeat_s: float = 5.0
     max_lease: int = 64
     drain_grace_s: float = 30.0
+    canary_command: list[str] | None = None  # re-admits a quarantined GPU when it exits 0
+    canary_backoff_s: float = 30.0  # first wait before a quarantined GPU's canary; doubles on failure
 
 
 @dataclass
@@ -93,6 +96,10 @@ class Agent:
         self.discovery = discovery or discover(settings.gpus)
         self.devices: list[GpuDevice] = list(self.discovery.devices)
         self.runnables = {f"{r.variant.capability}:{r.variant.device.value}": r for r in self.offered(runnables)}
+        self.watch = GpuWatch(self.discovery.provider, [d.uuid for d in self.devices],
+                              canary_command=settings.canary_command, canary_backoff_s=settings.canary_backoff_s)
+        self._shared: dict[str, SharedTask] = {}  # running tasks that hold a share of a GPU's memory
+        self._stop_reason: dict[str, dict[str, Any]] = {}  # why the worker itself stopped a task
         headers = {"Authorization": f"Bearer {settings.token}"} if settings.token else {}
         self.http = httpx.AsyncClient(base_url=settings.controller_url.rstrip("/"), headers=headers,
                                       timeout=httpx.Timeout(10.0, read=90.0))  # fmt: skip
@@ -186,19 +193,35 @@ class Agent:
             await asyncio.sleep(self.settings.heartbeat_s)
             try:
                 metrics = await asyncio.get_running_loop().run_in_executor(None, self._metrics)
-                resp = await self.http.post(f"/v1/workers/{self.worker_id}/heartbeat", json={"metrics": metrics})
+                self._enforce_memory_limits()
+                resp = await self.http.post(f"/v1/workers/{self.worker_id}/heartbeat",
+                                            json={"metrics": metrics, "quarantined": self.watch.quarantined()})  # fmt: skip
                 if resp.status_code == 404:
                     await self.register()
             except httpx.HTTPError as exc:
                 log.warning("heartbeat failed: %s", exc)
 
     def _metrics(self) -> dict[str, Any]:
-        try:
-            gpus = [asdict(m) for m in self.discovery.provider.metrics()]
-        except Exception as exc:  # a provider that stops answering must not stop the heartbeat
-            log.warning("GPU metrics failed: %s", exc)
-            gpus = []
+        gpus = [asdict(m) for m in self.watch.sample()] if self.devices else []
         return {"gpus": gpus, "cpu_pct": psutil.cpu_percent(), "running": len(self.running), "ts": time.time()}
+
+    def _enforce_memory_limits(self) -> None:
+        """Stop each task measured above its share of GPU memory, with `gpu_memory_exceeded`."""
+        if not self._shared or not self.watch.last:
+            return
+        tasks = list(self._shared.values())
+        over = memory_over_limit(tasks, self.watch.last, process_tree(t.pid for t in tasks))
+        for task_id, used in over.items():
+            limit = self._shared[task_id].limit_bytes
+            self._stop(task_id, {"type": "gpu_memory_exceeded",
+                                 "message": f"used {used} bytes of GPU memory, over its share of {limit} bytes"})  # fmt: skip
+
+    def _stop(self, task_id: str, error: dict[str, Any]) -> None:
+        running = self.running.get(task_id)
+        if running is not None:
+            log.warning("stopping task %s: %s", task_id, error["message"])
+            self._stop_reason[task_id] = error
+            running.cancel()
 
     async def _lease_loop(self) -> None:
         delay = 0.2
@@ -244,14 +267,22 @@ class Agent:
                 key = grant_key(lease.get("gpus"))
                 proc = await runnable.pool.acquire(key, task_id)
                 reusable = False
+                grant = lease.get("gpus") or {}
+                if grant and not grant.get("exclusive") and proc.pid:
+                    self._shared[task_id] = SharedTask(task_id, proc.pid, tuple(grant.get("uuids", [])),
+                                                       int(grant.get("memory_bytes", 0)))  # fmt: skip
                 try:
                     outcome = await proc.run(runnable.task_line(lease), sink, lease.get("timeout_s"))
                     reusable = outcome.error is None or outcome.error.get("type") == "handler_error"
                 finally:
+                    self._shared.pop(task_id, None)
                     runnable.pool.release(proc, key, reusable)
         except asyncio.CancelledError:
             self.running.pop(task_id, None)
-            return  # the controller already knows: it asked us to stop
+            reason = self._stop_reason.pop(task_id, None)
+            if reason is None:
+                return  # the controller asked us to stop: it already knows
+            outcome = Outcome(False, error=reason)
         except Exception as exc:
             log.exception("task %s could not run", task_id)
             outcome = Outcome(False, error={"type": "worker_error", "message": f"{type(exc).__name__}: {exc}"})

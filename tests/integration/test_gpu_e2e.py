@@ -1,0 +1,82 @@
+"""GPU behaviour end to end with fake GPUs: OOM retries elsewhere, shares are enforced, faults quarantine."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from tests.conftest import Cluster
+from turnout.gpu.fake import write_fake_state
+
+APP = "tests.apps.testapp:app"
+
+
+def _worker(cluster: Cluster, name: str) -> dict:
+    return next(w for w in cluster.api("GET", "/v1/workers").json()["workers"] if w["name"] == name)
+
+
+def test_gpu_oom_is_retried_on_another_gpu_not_the_same_one(cluster: Cluster) -> None:
+    cluster.start_worker(APP, gpus="fake:2x24Gi", name="two-gpus")
+    done = cluster.result(cluster.submit("oom", {}, gpu="require")["id"])
+    assert done["state"] == "succeeded", done
+    assert done["attempts"] == 2
+    first = done["routing"]["avoid_gpus"]
+    assert done["output"]["gpus"] and done["output"]["gpus"][0] not in first
+    assert done["output"]["limit"] == str(8 * 2**30)  # a shared task learns its memory limit
+    assert abs(float(done["output"]["fraction"]) - 8 / 24) < 1e-3
+
+
+def test_gpu_oom_with_no_other_gpu_falls_back_to_cpu_where_allowed(cluster: Cluster) -> None:
+    cluster.start_worker(APP, gpus="fake:1x24Gi", name="one-gpu")
+    done = cluster.result(cluster.submit("oom", {}, gpu="prefer")["id"])
+    assert done["state"] == "succeeded", done
+    assert done["device"] == "cpu"
+    assert done["routing"]["reason"].startswith("gpu out of memory on GPU-fake-0")
+
+
+def test_a_task_over_its_gpu_memory_share_is_stopped(cluster: Cluster, tmp_path: Path) -> None:
+    state = tmp_path / "gpus.json"
+    cluster.start_worker(APP, gpus=f"fake:1x24Gi@{state}", name="shared")
+    task = cluster.submit("hog", {"state": str(state), "bytes": 6 * 2**30}, gpu="require", max_retries=0)
+    done = cluster.result(task["id"], wait=30)
+    assert done["state"] == "failed"
+    assert done["error"]["type"] == "gpu_memory_exceeded"
+
+
+def test_a_hardware_fault_quarantines_the_gpu_until_a_canary_passes(cluster: Cluster, tmp_path: Path) -> None:
+    state = tmp_path / "gpus.json"
+    cluster.start_worker(APP, gpus=f"fake:1x24Gi@{state}", name="faulty", extra=["--canary-backoff-s", "1"])
+    write_fake_state(state, "GPU-fake-0", xid=[79], fell_off_bus=True)
+    deadline = time.monotonic() + 20
+    while not _worker(cluster, "faulty")["gpus"][0]["quarantined"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "bus" in _worker(cluster, "faulty")["gpus"][0]["quarantined"]
+    # nothing new is placed on it: a GPU-only task waits (no_capacity after its placement timeout)
+    waiting = cluster.submit("gpuonly", {}, gpu="require", placement_timeout_s=60)
+    time.sleep(1.5)
+    assert cluster.api("GET", f"/v1/tasks/{waiting['id']}").json()["state"] == "queued"
+    # the fault clears; the canary passes; the GPU comes back and the task runs
+    write_fake_state(state, "GPU-fake-0", xid=[], fell_off_bus=False)
+    done = cluster.result(waiting["id"], wait=30)
+    assert done["state"] == "succeeded", done
+    assert not _worker(cluster, "faulty")["gpus"][0]["quarantined"]
+
+
+def test_an_application_xid_does_not_quarantine(cluster: Cluster, tmp_path: Path) -> None:
+    state = tmp_path / "gpus.json"
+    cluster.start_worker(APP, gpus=f"fake:1x24Gi@{state}", name="appfault")
+    write_fake_state(state, "GPU-fake-0", xid=[31])  # an illegal address in one program: not the device's fault
+    time.sleep(3 * cluster.heartbeat_s)
+    assert not _worker(cluster, "appfault")["gpus"][0]["quarantined"]
+    assert cluster.result(cluster.submit("gpuonly", {}, gpu="require")["id"])["state"] == "succeeded"
+
+
+def test_turnout_gpus_lists_fake_gpus_with_mig_devices(cluster: Cluster) -> None:
+    out = cluster.cli("gpus", "--gpus", "fake:1xA100-40Gi-mig:3g.20gb,2g.10gb", "--json")
+    assert out.returncode == 0, out.stderr
+    gpus = json.loads(out.stdout)["gpus"]
+    assert len(gpus) == 1 and gpus[0]["mig_mode"]
+    assert [m["profile"] for m in gpus[0]["mig_devices"]] == ["3g.20gb", "2g.10gb"]
+    bad = cluster.cli("gpus", "--gpus", "fake:banana")
+    assert bad.returncode == 2 and "gpus" in bad.stderr and "Traceback" not in bad.stderr
