@@ -48,6 +48,7 @@ log = logging.getLogger("turnout.controller")
 ACTIVE = tuple(ACTIVE_STATES)
 LIVE_WORKER_STATES = (WorkerState.HEALTHY, WorkerState.DRAINING)
 RETRYABLE_ERRORS = frozenset({"gpu_oom", "worker_lost"})
+Change = tuple[str, Sequence[TaskState], "int | None", dict[str, Any]]  # see SqlStore.update_tasks
 
 
 def new_id(prefix: str) -> str:
@@ -208,7 +209,7 @@ class Controller:
         caps = {v.capability for v in worker.variants}
         leases: list[Lease] = []
         updates = []
-        cluster_cache: dict[tuple[str, str], ClusterView] = {}
+        cluster_cache: dict[tuple[str, str, str], ClusterView] = {}
         for task in self.store.queued_tasks(caps, limit=self.settings.lease_window):
             if len(leases) >= max_tasks:
                 break
@@ -220,7 +221,7 @@ class Controller:
                 cpu_variant=cpu_res is not None, gpu_variant=gpu_res is not None,
                 cpu_fits=cpu_res is not None and _fits(room, cpu_res), gpu_fits=grant is not None,
             )  # fmt: skip
-            key = (task.spec.capability, repr(task.spec.resources))
+            key = _view_key(task)
             if key not in cluster_cache:
                 cluster_cache[key] = self._cluster_view(workers, task)
             decision = route(task.spec.gpu, now - (task.queued_at or task.created_at), task.spec.gpu_wait_s,
@@ -229,7 +230,7 @@ class Controller:
                 continue
             last_error = (task.routing or {}).get("last_error") or {}
             if last_error.get("type") == "gpu_oom" and decision.device is Device.CPU:
-                decision = Route(Device.CPU, f"gpu out of memory on {', '.join(task.routing['avoid_gpus'])}; "
+                decision = Route(Device.CPU, f"gpu out of memory on {', '.join((task.routing or {})['avoid_gpus'])}; "
                                              f"{decision.reason}")  # fmt: skip
             res = gpu_res if decision.device is Device.GPU else cpu_res
             assert res is not None  # route() only picks a device whose variant fits
@@ -374,20 +375,20 @@ class Controller:
         changed = False
         workers = self.store.list_workers()
         for w in workers:
-            if w.state in LIVE_WORKER_STATES and now - w.last_heartbeat > 3 * w.heartbeat_s:
-                if self.store.update_worker(w.id, LIVE_WORKER_STATES, state=WorkerState.UNHEALTHY.value):
-                    log.warning("worker %s (%s) missed three heartbeats: unhealthy", w.id, w.name)
-                    changed = True
-        by_id = {w.id: w for w in self.store.list_workers(include_gone=True)}
+            silent = w.state in LIVE_WORKER_STATES and now - w.last_heartbeat > 3 * w.heartbeat_s
+            if silent and self.store.update_worker(w.id, LIVE_WORKER_STATES, state=WorkerState.UNHEALTHY.value):
+                log.warning("worker %s (%s) missed three heartbeats: unhealthy", w.id, w.name)
+                changed = True
+        by_id: dict[str, Worker] = {w.id: w for w in self.store.list_workers(include_gone=True)}
         lost: list[Task] = []
-        overdue = []
+        overdue: list[Change] = []
         for t in self.store.active_tasks():
-            w = by_id.get(t.worker_id or "")
-            if w is None or w.state in (WorkerState.UNHEALTHY, WorkerState.GONE):
+            holder = by_id.get(t.worker_id or "")
+            if holder is None or holder.state in (WorkerState.UNHEALTHY, WorkerState.GONE):
                 lost.append(t)
                 continue
             since = t.started_at or t.leased_at
-            if t.spec.timeout_s is not None and since is not None and now - since > t.spec.timeout_s + w.heartbeat_s:
+            if t.spec.timeout_s is not None and since is not None and now - since > t.spec.timeout_s + holder.heartbeat_s:
                 error = {"type": "timeout", "message": f"ran longer than timeout_s={t.spec.timeout_s:g}"}
                 overdue.append((t.id, ACTIVE, t.attempts, {"state": TaskState.FAILED, "error": error,
                                                             "finished_at": now, "run_s": now - since}))  # fmt: skip
@@ -399,9 +400,13 @@ class Controller:
         return changed
 
     def _expire_unplaceable(self, now: float, healthy: Sequence[Worker]) -> bool:
-        updates = []
+        updates: list[Change] = []
+        views: dict[tuple[str, str, str], ClusterView] = {}
         for t in self.store.queued_tasks(limit=10_000):
-            ok = servable(t.spec.gpu, self._cluster_view(healthy, t))
+            key = _view_key(t)
+            if key not in views:
+                views[key] = self._cluster_view(healthy, t)
+            ok = servable(t.spec.gpu, views[key])
             if ok and t.unservable_since is not None:
                 updates.append((t.id, (TaskState.QUEUED,), t.attempts, {"unservable_since": None}))
             elif not ok and t.unservable_since is None:
@@ -456,6 +461,11 @@ def _needs(variant: Variant | None, task: Task) -> Resources | None:
     if variant.device is Device.CPU and res.wants_gpu:
         res = replace(res, gpu=0, gpu_memory_bytes=None, gpu_models=(), min_compute_capability=None)
     return res
+
+
+def _view_key(task: Task) -> tuple[str, str, str]:
+    """Tasks with equal keys get the same ClusterView: same capability, overrides and avoided GPUs."""
+    return (task.spec.capability, repr(task.spec.resources), ",".join((task.routing or {}).get("avoid_gpus", ())))
 
 
 def _usable(units: Sequence[GpuUnit], task: Task) -> Sequence[GpuUnit]:

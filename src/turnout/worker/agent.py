@@ -118,10 +118,9 @@ class Agent:
         units = units_of(self.devices)
         out = []
         for r in runnables:
-            if r.variant.device is Device.GPU:
-                if not fits_ever(GpuRequest.from_resources(r.variant.resources), units):
-                    log.info("not offering %s on gpu: no GPU here fits it", r.variant.capability)
-                    continue
+            if r.variant.device is Device.GPU and not fits_ever(GpuRequest.from_resources(r.variant.resources), units):
+                log.info("not offering %s on gpu: no GPU here fits it", r.variant.capability)
+                continue
             out.append(r)
         return out
 

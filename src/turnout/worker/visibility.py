@@ -10,7 +10,7 @@ def gpu_env(key: tuple[str, ...]) -> dict[str, str]:
     """Env for a process started for `key` = (uuids, indices, shared memory limit, unit memory) or ()."""
     if not key:
         return {"CUDA_VISIBLE_DEVICES": "", "NVIDIA_VISIBLE_DEVICES": "void", "GPU_DEVICE": ""}
-    uuids, indices, limit, unit_memory = (list(key) + ["", "", "", ""])[:4]
+    uuids, indices, limit, unit_memory = [*key, "", "", "", ""][:4]
     env = {"CUDA_VISIBLE_DEVICES": uuids, "NVIDIA_VISIBLE_DEVICES": uuids, "GPU_DEVICE": indices}
     if limit:
         env["TURNOUT_GPU_MEMORY_LIMIT"] = limit
