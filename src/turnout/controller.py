@@ -8,6 +8,7 @@ controllers (PostgreSQL) the store's conditional updates keep them honest.
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import time
@@ -196,7 +197,7 @@ class Controller:
             raise NotFound(f"worker {worker_id} has left; register again", field="worker")
         active = self.store.active_tasks([worker_id])
         mine = {t.id: t for t in active if t.worker_id == worker_id}
-        cancel = [tid for tid in running if tid not in mine]
+        cancel = self._to_stop(worker_id, [tid for tid in running if tid not in mine])
         started = [t for t in mine.values() if t.state is TaskState.LEASED and t.id in set(running)]
         if started:
             self.store.update_tasks(
@@ -205,13 +206,16 @@ class Controller:
         if worker.state is not WorkerState.HEALTHY or max_tasks <= 0:
             return LeaseResult([], cancel)
         room = self._room(worker, list(mine.values()))
+        smallest = min((v.resources.cpu for v in worker.variants), default=0.0)
+        if room.cpu + 1e-9 < smallest:
+            return LeaseResult([], cancel)  # full: nothing it offers could fit now
         workers = [w for w in self.store.list_workers() if w.state is WorkerState.HEALTHY]
         caps = {v.capability for v in worker.variants}
         leases: list[Lease] = []
         updates = []
         cluster_cache: dict[tuple[str, str, str], ClusterView] = {}
         for task in self.store.queued_tasks(caps, limit=self.settings.lease_window):
-            if len(leases) >= max_tasks:
+            if len(leases) >= max_tasks or room.cpu + 1e-9 < smallest:
                 break
             offered = worker.offers(task.spec.capability)
             cpu_res = _needs(offered.get(Device.CPU), task)
@@ -260,6 +264,20 @@ class Controller:
             leases = [lease for lease in leases if lease.task.id in won]
             self._audit_allocations(worker_id, [lease for lease in leases if lease.grant], now)
         return LeaseResult(leases, cancel)
+
+    def _to_stop(self, worker_id: str, stale: Sequence[str]) -> list[str]:
+        """Of the tasks a worker runs that are no longer its active leases, those it must kill.
+
+        A task it finished itself (its own result is in) is not among them: the worker is merely behind.
+        """
+        out = []
+        for t in self.store.get_tasks(stale):
+            error_type = (t.error or {}).get("type")
+            stopped_here = t.state in (TaskState.CANCELLED, TaskState.QUEUED) or (
+                t.state is TaskState.FAILED and error_type in ("timeout", "worker_lost", "no_capacity"))
+            if t.worker_id != worker_id or stopped_here or t.state in ACTIVE_STATES:
+                out.append(t.id)
+        return out
 
     def _room(self, worker: Worker, active: Sequence[Task]) -> _Room:
         units = units_of(devices_from_dicts(worker.gpus), frozenset(worker.quarantined))
@@ -400,22 +418,29 @@ class Controller:
         return changed
 
     def _expire_unplaceable(self, now: float, healthy: Sequence[Worker]) -> bool:
+        """Fail tasks no live worker could serve for their whole `placement_timeout_s` (`no_capacity`).
+
+        Tasks alike (capability, gpu value, overrides, avoided GPUs) share one verdict, so a deep queue costs
+        a few cluster views, not one per task.
+        """
         updates: list[Change] = []
-        views: dict[tuple[str, str, str], ClusterView] = {}
-        for t in self.store.queued_tasks(limit=10_000):
-            key = _view_key(t)
-            if key not in views:
-                views[key] = self._cluster_view(healthy, t)
-            ok = servable(t.spec.gpu, views[key])
-            if ok and t.unservable_since is not None:
-                updates.append((t.id, (TaskState.QUEUED,), t.attempts, {"unservable_since": None}))
-            elif not ok and t.unservable_since is None:
-                updates.append((t.id, (TaskState.QUEUED,), t.attempts, {"unservable_since": now}))
-            elif not ok and t.unservable_since is not None and now - t.unservable_since >= t.spec.placement_timeout_s:
+        verdicts: dict[tuple[str, str, str, str], bool] = {}
+        for row in self.store.queued_brief():
+            avoid = ",".join((row.routing or {}).get("avoid_gpus", ()))
+            key = (row.capability, row.gpu_mode, json.dumps(row.resources, sort_keys=True), avoid)
+            if key not in verdicts:
+                task = self.store.get_task(row.id)
+                verdicts[key] = task is not None and servable(task.spec.gpu, self._cluster_view(healthy, task))
+            ok, since = verdicts[key], row.unservable_since
+            if ok and since is not None:
+                updates.append((row.id, (TaskState.QUEUED,), row.attempts, {"unservable_since": None}))
+            elif not ok and since is None:
+                updates.append((row.id, (TaskState.QUEUED,), row.attempts, {"unservable_since": now}))
+            elif not ok and since is not None and now - since >= row.placement_timeout_s:
                 error = {"type": "no_capacity",
-                         "message": f"no live worker offers a variant of {t.spec.capability!r} that gpu={t.spec.gpu.value} "
-                                    f"allows and that fits, for {t.spec.placement_timeout_s:g} s"}  # fmt: skip
-                updates.append((t.id, (TaskState.QUEUED,), t.attempts,
+                         "message": f"no live worker offers a variant of {row.capability!r} that gpu={row.gpu_mode} "
+                                    f"allows and that fits, for {row.placement_timeout_s:g} s"}  # fmt: skip
+                updates.append((row.id, (TaskState.QUEUED,), row.attempts,
                                 {"state": TaskState.FAILED, "error": error, "finished_at": now}))  # fmt: skip
         done = set(self.store.update_tasks(updates)) if updates else set()
         return any(u[3].get("state") is TaskState.FAILED for u in updates if u[0] in done)

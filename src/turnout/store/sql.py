@@ -8,8 +8,10 @@ and what lets several controllers share one PostgreSQL database.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,25 +53,58 @@ def open_store(url: str) -> SqlStore:
 
 
 class SqlStore:
+    """State on SQLite or PostgreSQL. Outside `group()` every method is its own transaction; inside, all the
+    calls of one thread share one transaction, so many small writes cost one commit (one fsync)."""
+
     def __init__(self, url: str) -> None:
         self.url = url
         self.dialect = url.split(":", 1)[0].split("+", 1)[0]
         if self.dialect == "sqlite":
             self.engine = sa.create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
             sa.event.listen(self.engine, "connect", _sqlite_pragmas)
+            sa.event.listen(self.engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN"))
         else:
             self.engine = sa.create_engine(url, pool_size=8, max_overflow=8, pool_pre_ping=True)
+        self._local = threading.local()
         self.schema_version = migrate(self.engine)
 
     def close(self) -> None:
         self.engine.dispose()
+
+    @contextlib.contextmanager
+    def group(self) -> Iterator[sa.Connection]:
+        """One transaction for everything this thread does inside; committed (durably) on exit."""
+        with self.engine.begin() as conn:
+            self._local.conn = conn
+            try:
+                yield conn
+            finally:
+                self._local.conn = None
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[sa.Connection]:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            yield conn
+            return
+        with self.engine.begin() as own:
+            yield own
+
+    @contextlib.contextmanager
+    def _read(self) -> Iterator[sa.Connection]:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            yield conn
+            return
+        with self.engine.connect() as own:
+            yield own
 
     # ---- tasks -------------------------------------------------------------------------------
 
     def insert_tasks(self, tasks: Sequence[Task]) -> list[Task]:
         """Insert new tasks; a task whose (tenant, idempotency_key) exists yields the stored one instead."""
         keyed = [t for t in tasks if t.spec.idempotency_key]
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             existing: dict[tuple[str, str], Task] = {}
             if keyed:
                 rows = conn.execute(
@@ -95,7 +130,7 @@ class SqlStore:
         return out
 
     def get_task(self, task_id: str) -> Task | None:
-        with self.engine.connect() as conn:
+        with self._read() as conn:
             row = conn.execute(sa.select(T).where(T.c.id == task_id)).first()
         return _task(row) if row else None
 
@@ -103,7 +138,7 @@ class SqlStore:
         ids = list(task_ids)
         if not ids:
             return []
-        with self.engine.connect() as conn:
+        with self._read() as conn:
             return [_task(r) for r in conn.execute(sa.select(T).where(T.c.id.in_(ids)))]
 
     def list_tasks(
@@ -124,11 +159,11 @@ class SqlStore:
             query = query.where(T.c.capability == capability)
         if cursor:
             query = query.where(T.c.id < cursor)
-        with self.engine.connect() as conn:
+        with self._read() as conn:
             return [_task(r) for r in conn.execute(query)]
 
-    def queued_tasks(self, capabilities: Iterable[str] | None = None, limit: int = 500) -> list[Task]:
-        """Queued tasks, highest priority first, then oldest first."""
+    def queued_tasks(self, capabilities: Iterable[str] | None = None, limit: int = 500) -> Iterator[Task]:
+        """Queued tasks, highest priority first, then oldest first; decoded lazily, as the caller reads."""
         query = (
             sa.select(T)
             .where(T.c.state == TaskState.QUEUED.value)
@@ -137,14 +172,22 @@ class SqlStore:
         )
         if capabilities is not None:
             query = query.where(T.c.capability.in_(list(capabilities)))
-        with self.engine.connect() as conn:
-            return [_task(r) for r in conn.execute(query)]
+        with self._read() as conn:
+            rows = conn.execute(query).all()
+        return (_task(r) for r in rows)
+
+    def queued_brief(self, limit: int = 100_000) -> list[Any]:
+        """Just what the placement-timeout sweep needs of each queued task, without decoding whole tasks."""
+        query = sa.select(T.c.id, T.c.capability, T.c.gpu_mode, T.c.resources, T.c.routing, T.c.unservable_since,
+                          T.c.placement_timeout_s, T.c.attempts).where(T.c.state == TaskState.QUEUED.value).limit(limit)  # fmt: skip
+        with self._read() as conn:
+            return list(conn.execute(query).all())
 
     def active_tasks(self, worker_ids: Iterable[str] | None = None) -> list[Task]:
         query = sa.select(T).where(T.c.state.in_([TaskState.LEASED.value, TaskState.RUNNING.value]))
         if worker_ids is not None:
             query = query.where(T.c.worker_id.in_(list(worker_ids)))
-        with self.engine.connect() as conn:
+        with self._read() as conn:
             return [_task(r) for r in conn.execute(query)]
 
     def queue_depths(self) -> dict[str, dict[str, int]]:
@@ -155,7 +198,7 @@ class SqlStore:
             .group_by(T.c.capability, T.c.state)
         )
         out: dict[str, dict[str, int]] = {}
-        with self.engine.connect() as conn:
+        with self._read() as conn:
             for cap, state, n in conn.execute(query):
                 out.setdefault(cap, {})[state] = n
         return out
@@ -166,7 +209,7 @@ class SqlStore:
         Returns the ids whose condition held. This is the only way task state changes.
         """
         done: list[str] = []
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             for task_id, states, attempts, values in changes:
                 query = T.update().where(T.c.id == task_id, T.c.state.in_([s.value for s in states]))
                 if attempts is not None:
@@ -179,12 +222,12 @@ class SqlStore:
 
     def upsert_worker(self, worker: Worker) -> None:
         row = _worker_row(worker)
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             if conn.execute(W.update().where(W.c.id == worker.id).values(**row)).rowcount == 0:
                 conn.execute(W.insert().values(id=worker.id, **row))
 
     def get_worker(self, worker_id: str) -> Worker | None:
-        with self.engine.connect() as conn:
+        with self._read() as conn:
             row = conn.execute(sa.select(W).where(W.c.id == worker_id)).first()
         return _worker(row) if row else None
 
@@ -192,42 +235,42 @@ class SqlStore:
         query = sa.select(W).order_by(W.c.registered_at)
         if not include_gone:
             query = query.where(W.c.state != WorkerState.GONE.value)
-        with self.engine.connect() as conn:
+        with self._read() as conn:
             return [_worker(r) for r in conn.execute(query)]
 
     def update_worker(self, worker_id: str, states: Sequence[WorkerState] | None = None, **values: Any) -> bool:
         query = W.update().where(W.c.id == worker_id)
         if states is not None:
             query = query.where(W.c.state.in_([s.value for s in states]))
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             return bool(conn.execute(query.values(**values)).rowcount)
 
     # ---- tokens ------------------------------------------------------------------------------
 
     def insert_token(self, token_id: str, token_hash: str, role: str, tenant: str, created_at: float) -> None:
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             conn.execute(
                 schema.tokens.insert().values(id=token_id, hash=token_hash, role=role, tenant=tenant, created_at=created_at)
             )
 
     def find_token(self, token_hash: str) -> dict[str, Any] | None:
-        with self.engine.connect() as conn:
+        with self._read() as conn:
             row = conn.execute(sa.select(schema.tokens).where(schema.tokens.c.hash == token_hash)).first()
         return dict(row._mapping) if row else None
 
     def get_token(self, token_id: str) -> dict[str, Any] | None:
-        with self.engine.connect() as conn:
+        with self._read() as conn:
             row = conn.execute(sa.select(schema.tokens).where(schema.tokens.c.id == token_id)).first()
         return dict(row._mapping) if row else None
 
     def revoke_token(self, token_id: str, now: float) -> bool:
         tok = schema.tokens
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             query = tok.update().where(tok.c.id == token_id, tok.c.revoked_at.is_(None)).values(revoked_at=now)
             return bool(conn.execute(query).rowcount)
 
     def count_tokens(self) -> int:
-        with self.engine.connect() as conn:
+        with self._read() as conn:
             return int(conn.execute(sa.select(sa.func.count()).select_from(schema.tokens)).scalar_one())
 
     # ---- events ------------------------------------------------------------------------------
@@ -236,7 +279,7 @@ class SqlStore:
         """Append (task id, ts, body) in order; seq is per task, 1, 2, ... Returns the last seq per task."""
         ev = schema.events
         last: dict[str, int] = {}
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             for task_id in dict.fromkeys(t for t, _, _ in items):
                 last[task_id] = conn.execute(
                     sa.select(sa.func.coalesce(sa.func.max(ev.c.seq), 0)).where(ev.c.task_id == task_id)
@@ -251,7 +294,7 @@ class SqlStore:
 
     def last_event_seq(self, task_id: str) -> int:
         ev = schema.events
-        with self.engine.connect() as conn:
+        with self._read() as conn:
             query = sa.select(sa.func.coalesce(sa.func.max(ev.c.seq), 0)).where(ev.c.task_id == task_id)
             return int(conn.execute(query).scalar_one())
 
@@ -263,7 +306,7 @@ class SqlStore:
             .order_by(ev.c.seq)
             .limit(limit)
         )
-        with self.engine.connect() as conn:
+        with self._read() as conn:
             return [(r.seq, r.ts, r.body) for r in conn.execute(query)]
 
     # ---- audit -------------------------------------------------------------------------------
@@ -271,7 +314,7 @@ class SqlStore:
     def append_audit(self, records: Sequence[tuple[float, str, str | None, dict[str, Any]]]) -> None:
         if not records:
             return
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             conn.execute(
                 schema.audit.insert(), [{"ts": ts, "kind": k, "tenant": tn, "body": b} for ts, k, tn, b in records]
             )
@@ -281,11 +324,13 @@ class SqlStore:
         query = sa.select(a).order_by(a.c.id).limit(limit)
         if since is not None:
             query = query.where(a.c.ts >= since)
-        with self.engine.connect() as conn:
+        with self._read() as conn:
             return [dict(r._mapping) for r in conn.execute(query)]
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    # let SQLAlchemy, not pysqlite, decide where transactions begin: needed for SAVEPOINTs (group commit)
+    dbapi_conn.isolation_level = None
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
     cur.execute("PRAGMA synchronous=FULL")  # fsync the WAL on every commit: accepted means on disk
