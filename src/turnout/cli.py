@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -35,7 +35,7 @@ def main() -> None:
         sys.exit(2)
 
 
-def _home(home: Optional[Path]) -> Path:
+def _home(home: Path | None) -> Path:
     from turnout.runtime import default_home
 
     return Path(home).expanduser() if home else default_home()
@@ -53,11 +53,11 @@ def _logging(verbose: bool = False) -> None:
 def up(
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(DEFAULT_PORT, help="Port to listen on."),
-    home: Optional[Path] = typer.Option(None, help="State directory (default $TURNOUT_HOME or ~/.turnout)."),
+    home: Path | None = typer.Option(None, help="State directory (default $TURNOUT_HOME or ~/.turnout)."),
     gpus: str = typer.Option("auto", help="GPUs of the local worker: auto, none, 0,2 or fake:SPEC."),
     app_ref: list[str] = typer.Option([], "--app", help="MODULE:APP served by the local worker (default: the demo app)."),
-    presets: Optional[Path] = typer.Option(None, help="Model presets file served by the local worker."),
-    config: Optional[Path] = typer.Option(None, help="turnout.yaml: prices, pipelines, limits, escalation."),
+    presets: Path | None = typer.Option(None, help="Model presets file served by the local worker."),
+    config: Path | None = typer.Option(None, help="turnout.yaml: prices, pipelines, limits, escalation."),
     no_auth: bool = typer.Option(False, "--no-auth", help="No tokens (loopback only)."),
     verbose: bool = typer.Option(False, "-v", "--verbose"),
 ) -> None:
@@ -100,14 +100,14 @@ def up(
 
 @app.command()
 def controller(
-    db: Optional[str] = typer.Option(None, help="sqlite:///PATH or postgresql://... (default $TURNOUT_DB or $TURNOUT_HOME/turnout.db)."),
+    db: str | None = typer.Option(None, help="sqlite:///PATH or postgresql://... (default $TURNOUT_DB or $TURNOUT_HOME/turnout.db)."),
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(DEFAULT_PORT),
-    home: Optional[Path] = typer.Option(None),
-    config: Optional[Path] = typer.Option(None),
+    home: Path | None = typer.Option(None),
+    config: Path | None = typer.Option(None),
     no_auth: bool = typer.Option(False, "--no-auth"),
-    tls_cert: Optional[Path] = typer.Option(None, help="PEM certificate for HTTPS."),
-    tls_key: Optional[Path] = typer.Option(None, help="PEM key for HTTPS."),
+    tls_cert: Path | None = typer.Option(None, help="PEM certificate for HTTPS."),
+    tls_key: Path | None = typer.Option(None, help="PEM key for HTTPS."),
     heartbeat_s: float = typer.Option(5.0, help="Default worker heartbeat period."),
     verbose: bool = typer.Option(False, "-v", "--verbose"),
 ) -> None:
@@ -130,16 +130,16 @@ def controller(
 @app.command()
 def worker(
     apps: list[str] = typer.Argument(None, help="MODULE:APP, one or more."),
-    controller_url: Optional[str] = typer.Option(None, "--controller", help="Controller URL (default $TURNOUT_URL)."),
-    token: Optional[str] = typer.Option(None, help="Worker or admin token (default $TURNOUT_TOKEN or admin.token)."),
-    presets: Optional[Path] = typer.Option(None, help="Model presets file: each model is served as a capability."),
-    models_dir: Optional[Path] = typer.Option(None, help="Where presets' models live (MODEL_PATH; default ~/.turnout/models)."),
+    controller_url: str | None = typer.Option(None, "--controller", help="Controller URL (default $TURNOUT_URL)."),
+    token: str | None = typer.Option(None, help="Worker or admin token (default $TURNOUT_TOKEN or admin.token)."),
+    presets: Path | None = typer.Option(None, help="Model presets file: each model is served as a capability."),
+    models_dir: Path | None = typer.Option(None, help="Where presets' models live (MODEL_PATH; default ~/.turnout/models)."),
     gpus: str = typer.Option("auto", help="auto, none, 0,2 or fake:SPEC."),
-    name: Optional[str] = typer.Option(None, help="Worker name (default: host name)."),
+    name: str | None = typer.Option(None, help="Worker name (default: host name)."),
     strategy: str = typer.Option("pack", help="GPU placement on this worker: pack or spread."),
-    cpus: Optional[float] = typer.Option(None, help="Cores to offer (default: all)."),
+    cpus: float | None = typer.Option(None, help="Cores to offer (default: all)."),
     heartbeat_s: float = typer.Option(5.0, help="Heartbeat period."),
-    canary: Optional[str] = typer.Option(None, help="Command that must exit 0 before a quarantined GPU is used again."),
+    canary: str | None = typer.Option(None, help="Command that must exit 0 before a quarantined GPU is used again."),
     canary_backoff_s: float = typer.Option(30.0, help="Wait before a quarantined GPU's first canary (doubles on failure)."),
     verbose: bool = typer.Option(False, "-v", "--verbose"),
 ) -> None:
@@ -195,7 +195,7 @@ def submit(
     gpu: str = typer.Option("auto", help="prefer, never, require or auto."),
     wait: bool = typer.Option(False, "--wait", help="Wait for the result and print it."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Stream events as they come."),
-    timeout_s: Optional[float] = typer.Option(None, help="Fail the task after this many seconds of running."),
+    timeout_s: float | None = typer.Option(None, help="Fail the task after this many seconds of running."),
     priority: int = typer.Option(0),
 ) -> None:
     """Submit a task."""
@@ -244,8 +244,8 @@ def cancel(task_id: str) -> None:
 
 @app.command()
 def tasks(
-    state: Optional[str] = typer.Option(None),
-    capability: Optional[str] = typer.Option(None),
+    state: str | None = typer.Option(None),
+    capability: str | None = typer.Option(None),
     limit: int = typer.Option(20),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -359,7 +359,7 @@ def token_revoke(token_id: str) -> None:
 
 
 @app.command()
-def audit(since: Optional[str] = typer.Option(None), jsonl: bool = typer.Option(False, "--jsonl", help="One JSON record per line.")) -> None:
+def audit(since: str | None = typer.Option(None), jsonl: bool = typer.Option(False, "--jsonl", help="One JSON record per line.")) -> None:
     """The audit log (admin)."""
     with _client() as client:
         body = client.request("GET", "/v1/audit", params={"since": since} if since else {})

@@ -100,8 +100,9 @@ def test_unknown_task_is_404_with_an_error_body(api: Cluster) -> None:
 
 
 def test_cancel_of_a_running_task_kills_its_process(api: Cluster, tmp_path) -> None:
-    from tests.conftest import pid_alive
     import time
+
+    from tests.conftest import pid_alive
 
     pidfile = tmp_path / "pids"
     task = api.submit("spawn", {"pidfile": str(pidfile)})

@@ -16,7 +16,6 @@ from turnout.models import GpuMode, Task, TaskSpec, Worker, check_capability_nam
 from turnout.resources import parse_resources
 
 
-
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
