@@ -146,6 +146,12 @@ class AsyncClient:
 
     async def events(self, task_id: str, after: int = 0) -> AsyncIterator[dict[str, Any]]:
         """The task's events as they happen (Server-Sent Events), resuming after `after`; ends after `finish`."""
+        async for batch in self.event_batches(task_id, after):
+            for event in batch:
+                yield event
+
+    async def event_batches(self, task_id: str, after: int = 0) -> AsyncIterator[list[dict[str, Any]]]:
+        """`events` in the batches the network delivers, so a caller on another thread pays one hop per batch."""
         seen = after
         while True:
             headers = {"Last-Event-ID": str(seen)} if seen else {}
@@ -154,24 +160,36 @@ class AsyncClient:
                     if resp.status_code >= 400:
                         await resp.aread()
                         raise_for_error(resp)
-                    async for event in _parse_sse(resp.aiter_lines()):
-                        seen = int(event.get("seq", seen))
-                        yield event
-                        if event.get("event") == "finish":
-                            return
+                    frames = _SseFrames()
+                    async for chunk in resp.aiter_text():
+                        batch = frames.feed(chunk)
+                        for i, event in enumerate(batch):
+                            seen = int(event.get("seq", seen))
+                            if event.get("event") == "finish":
+                                yield batch[: i + 1]
+                                return
+                        if batch:
+                            yield batch
                 return
             except (httpx.RemoteProtocolError, httpx.ReadError):
                 continue  # the connection dropped: resume where we were
 
 
-async def _parse_sse(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]:
-    data: list[str] = []
-    async for line in lines:
-        if line.startswith("data:"):
-            data.append(line[5:].lstrip())
-        elif not line and data:
-            yield json.loads("\n".join(data))
-            data = []
+class _SseFrames:
+    """Splits a Server-Sent Events byte stream into the JSON `data` of each complete frame."""
+
+    def __init__(self) -> None:
+        self.buffer = ""
+
+    def feed(self, chunk: str) -> list[dict[str, Any]]:
+        self.buffer = (self.buffer + chunk).replace("\r\n", "\n")
+        *complete, self.buffer = self.buffer.split("\n\n")
+        out = []
+        for frame in complete:
+            data = [line[5:].lstrip() for line in frame.split("\n") if line.startswith("data:")]
+            if data:
+                out.append(json.loads("\n".join(data)))
+        return out
 
 
 class _Loop:
@@ -207,12 +225,16 @@ class TaskHandle:
         return self._client._run(self._handle.cancel())
 
     def events(self, after: int = 0) -> Iterator[dict[str, Any]]:
-        agen = self._handle.events(after)
-        while True:
-            try:
-                yield self._client._run(agen.__anext__())
-            except StopAsyncIteration:
-                return
+        batches = self._client._async.event_batches(self.id, after)
+        try:
+            while True:
+                try:
+                    batch = self._client._run(batches.__anext__())
+                except StopAsyncIteration:
+                    return
+                yield from batch
+        finally:
+            self._client._run(batches.aclose())  # a caller that stops early closes the stream now
 
 
 class Client:

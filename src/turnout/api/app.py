@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import json
 import time
 from collections.abc import AsyncIterator
@@ -130,7 +130,7 @@ def create_app(service: Service) -> FastAPI:
             start = max(start, int(last_event_id))
 
         def frame(seq: int, ts: float | None, body: dict[str, Any]) -> bytes:
-            payload = {**body, "seq": seq, "ts": iso(ts)}
+            payload = {**body, "seq": seq, "ts": iso_cached(ts)}
             return f"id: {seq}\nevent: {body.get('event', 'message')}\ndata: {json.dumps(payload)}\n\n".encode()
 
         async def stream() -> AsyncIterator[bytes]:
@@ -138,12 +138,15 @@ def create_app(service: Service) -> FastAPI:
             while True:
                 signal = service.events_added.current()
                 batch = await service.call(ctrl.store.read_events, task_id, seen, 5000)
+                frames = []  # one write per batch: a chatty task costs the event loop little per event
                 for seq, ts, body in batch:
                     seen = seq
-                    yield frame(seq, ts, body)
+                    frames.append(frame(seq, ts, body))
                     if body.get("event") == "finish":
+                        yield b"".join(frames)
                         return
                 if batch:
+                    yield b"".join(frames)
                     continue
                 task = await service.call(ctrl.get_task, None, task_id)
                 if task.state.terminal:
@@ -296,6 +299,10 @@ def create_app(service: Service) -> FastAPI:
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     return app
+
+
+# A batch of events shares one timestamp: format it once, not once per event.
+iso_cached = functools.lru_cache(maxsize=256)(iso)
 
 
 def finish_event(task: Task) -> dict[str, Any]:
