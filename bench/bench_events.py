@@ -5,7 +5,9 @@ preset whose program writes events as fast as it can (throughput) or one every f
 time it wrote it (latency). The client reads `GET /v1/tasks/{id}/events` with the SDK.
 
 - events_per_s: text_delta events from the client's first to its last, over that time (aim: 20,000/s);
-- latency_ms p50/p95: client receive time minus the program's write time, same host clock (aim: p50 < 10 ms).
+- latency_ms p50/p95: client receive time minus the program's write time, same host clock (aim: p50 < 10 ms);
+- cpu_us_per_event: CPU each process spent per event during the flood, which does not depend on what else
+  the host runs; 1e6 / the busiest process's figure is the rate this path reaches with a core per process.
 
     python bench/bench_events.py            prints JSON
     from bench.bench_events import run      run() -> dict
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from turnout.client import Client
 
@@ -73,7 +76,18 @@ def _wait(predicate: Any, what: str, timeout_s: float = 30.0) -> None:
     raise RuntimeError(f"{what} did not come up")
 
 
-def _throughput(client: Client, n: int) -> dict[str, Any]:
+def _cpu_s(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds per role; the worker's figure includes its children (the guard and the program)."""
+    out = {"client": time.process_time()}
+    for role, pid in pids.items():
+        proc = psutil.Process(pid)
+        procs = [proc, *proc.children(recursive=True)] if role == "worker" else [proc]
+        out[role] = sum(sum(p.cpu_times()[:2]) for p in procs if p.is_running())
+    return out
+
+
+def _throughput(client: Client, n: int, pids: dict[str, int]) -> dict[str, Any]:
+    cpu0 = _cpu_s(pids)
     handle = client.submit("bench-events", {"mode": "flood", "n": n})
     first = last = 0.0
     count = 0
@@ -82,7 +96,10 @@ def _throughput(client: Client, n: int) -> dict[str, Any]:
             last = time.perf_counter()
             first = first or last
             count += 1
-    return {"events": count, "seconds": round(last - first, 3), "events_per_s": round(count / max(last - first, 1e-9))}
+    cpu1 = _cpu_s(pids)
+    per_event = {role: round((cpu1[role] - cpu0[role]) / max(count, 1) * 1e6, 1) for role in cpu0}
+    return {"events": count, "seconds": round(last - first, 3), "events_per_s": round(count / max(last - first, 1e-9)),
+            "cpu_us_per_event": per_event, "core_per_process_events_per_s": round(1e6 / max(per_event.values()))}  # fmt: skip
 
 
 def _latency(client: Client, n: int, gap_s: float) -> dict[str, Any]:
@@ -93,8 +110,10 @@ def _latency(client: Client, n: int, gap_s: float) -> dict[str, Any]:
             "p95_ms": round(delays[int(len(delays) * 0.95) - 1], 2), "max_ms": round(delays[-1], 2)}  # fmt: skip
 
 
-def run(flood_events: int = 100_000, drip_events: int = 300, gap_s: float = 0.01) -> dict[str, Any]:
+def run(quick: bool = False, flood_events: int = 100_000, drip_events: int = 300, gap_s: float = 0.01) -> dict[str, Any]:
     """Start a controller and a worker, measure, and stop both whatever happens."""
+    if quick:
+        flood_events, drip_events = 20_000, 100
     tmp = Path(tempfile.mkdtemp(prefix="turnout-bench-events-"))
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -115,11 +134,13 @@ def run(flood_events: int = 100_000, drip_events: int = 300, gap_s: float = 0.01
                             env, tmp / "worker.log"))  # fmt: skip
         with Client(url, env["TURNOUT_TOKEN"]) as client:
             _wait(lambda: any(c["name"] == "bench-events" for c in client.capabilities()), "the worker")
-            _throughput(client, 1000)  # warm: the session process starts, SQLite pages in
-            throughput = _throughput(client, flood_events)
+            pids = {"controller": procs[0].pid, "worker": procs[1].pid}
+            _throughput(client, 1000, pids)  # warm: the session process starts, SQLite pages in
+            throughput = _throughput(client, flood_events, pids)
             latency = _latency(client, drip_events, gap_s)
         return {
             "benchmark": "events",
+            "host": {"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 1)},
             "throughput": {**throughput, "aim": AIM_EVENTS_PER_S, "met": throughput["events_per_s"] >= AIM_EVENTS_PER_S},
             "latency": {**latency, "gap_s": gap_s, "aim_p50_ms": AIM_P50_MS, "met": latency["p50_ms"] < AIM_P50_MS},
         }
@@ -133,6 +154,14 @@ def run(flood_events: int = 100_000, drip_events: int = 300, gap_s: float = 0.01
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def summary(result: dict[str, Any]) -> str:
+    t, lat = result["throughput"], result["latency"]
+    return (f"  {t['events_per_s']:,} events/s (aim {t['aim']:,}; {t['core_per_process_events_per_s']:,}/s with a core "
+            f"per process; CPU us/event {t['cpu_us_per_event']})\n"
+            f"  latency p50 {lat['p50_ms']} ms, p95 {lat['p95_ms']} ms (aim p50 < {lat['aim_p50_ms']} ms); "
+            f"host load {result['host']['load_avg_1m']} on {result['host']['cpus']} CPUs")  # fmt: skip
 
 
 if __name__ == "__main__":
