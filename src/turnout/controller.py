@@ -28,6 +28,7 @@ from turnout.gpu.allocation import (
     usage_from_grants,
 )
 from turnout.gpu.devices import GpuDevice, GpuUnit, MigDevice, units_of
+from turnout.gpu.policies import Host, PlacementIndex, make_policy
 from turnout.models import (
     ACTIVE_STATES,
     Completion,
@@ -49,6 +50,7 @@ log = logging.getLogger("turnout.controller")
 ACTIVE = tuple(ACTIVE_STATES)
 LIVE_WORKER_STATES = (WorkerState.HEALTHY, WorkerState.DRAINING)
 RETRYABLE_ERRORS = frozenset({"gpu_oom", "worker_lost"})
+PLACEMENT_SETTLE_S = 1.0  # how long a GPU task waits for the policy's best worker before any fitting one takes it
 Change = tuple[str, Sequence[TaskState], "int | None", dict[str, Any]]  # see SqlStore.update_tasks
 
 
@@ -214,6 +216,7 @@ class Controller:
         leases: list[Lease] = []
         updates = []
         cluster_cache: dict[tuple[str, str, str], ClusterView] = {}
+        fleet: _Fleet | None = None  # built on the first GPU candidate only
         for task in self.store.queued_tasks(caps, limit=self.settings.lease_window):
             if len(leases) >= max_tasks or room.cpu + 1e-9 < smallest:
                 break
@@ -232,6 +235,12 @@ class Controller:
                              offer, cluster_cache[key])  # fmt: skip
             if decision is None:
                 continue
+            if decision.device is Device.GPU and gpu_res is not None:
+                fleet = fleet or _Fleet(self, workers, worker_id)
+                fleet.update(worker_id, room)
+                best = fleet.best(gpu_res, task)
+                if best not in (None, worker_id) and now - (task.queued_at or task.created_at) < PLACEMENT_SETTLE_S:
+                    continue  # another worker fits it better: leave it to that worker for a moment
             last_error = (task.routing or {}).get("last_error") or {}
             if last_error.get("type") == "gpu_oom" and decision.device is Device.CPU:
                 decision = Route(Device.CPU, f"gpu out of memory on {', '.join((task.routing or {})['avoid_gpus'])}; "
@@ -476,6 +485,38 @@ class Controller:
                                                       "gpus": list(task.gpus.get("uuids", [])),
                                                       "memory_bytes": task.gpus.get("memory_bytes"),
                                                       "start": task.leased_at, "end": now})  # fmt: skip
+
+
+class _Fleet:
+    """Every healthy GPU worker's free room, scored by the placement policy (the one `turnout simulate` replays).
+
+    A worker asking for work takes a GPU task only when it is the policy's best choice among workers that
+    could host the task now, so GPU tasks pack across the fleet, not merely within whichever worker asked first.
+    """
+
+    def __init__(self, controller: Controller, workers: Sequence[Worker], asking: str) -> None:
+        self.controller = controller
+        self.index = PlacementIndex(make_policy(controller.settings.placement_policy))
+        gpu_workers = [w for w in workers if w.gpus and any(v.device is Device.GPU for v in w.variants)]
+        active: dict[str, list[Task]] = {w.id: [] for w in gpu_workers}
+        for t in controller.store.active_tasks(list(active)):
+            active.setdefault(t.worker_id or "", []).append(t)
+        self.workers = {w.id: w for w in gpu_workers}
+        for w in gpu_workers:
+            self.update(w.id, controller._room(w, active[w.id]))
+
+    def update(self, worker_id: str, room: _Room) -> None:
+        if worker_id in self.workers:
+            self.index.upsert(worker_id, room.units, room.usage, Host(room.cpu, room.memory_bytes))
+
+    def best(self, res: Resources, task: Task) -> str | None:
+        """The worker the policy picks for this task now (None: none can host it now)."""
+        request = GpuRequest.from_resources(res, _workload(task))
+        avoid = (task.routing or {}).get("avoid_gpus")
+        if avoid:
+            return None  # an OOM retry goes wherever it fits; the policy does not know about avoided GPUs
+        choice = self.index.choose(request)
+        return str(choice[0]) if choice else None
 
 
 def _needs(variant: Variant | None, task: Task) -> Resources | None:

@@ -192,10 +192,11 @@ def curve(events: Sequence[tuple[int, int]], capacity_milli: int) -> list[tuple[
         by_x.setdefault(round(arrived * 100 / capacity_milli), []).append(
             round(used * 100 / capacity_milli, 2)
         )
-    points = []
+    points: list[tuple[int, float]] = []
     for x in range(MAX_ARRIVED_PCT + 1):
         ys = by_x.get(x) or [y for dx in (x - 1, x, x + 1) for y in by_x.get(dx, [])]
-        points.append((x, round(sum(ys) / len(ys), 2) if ys else 0.0))
+        # nothing arrived near x (a sparse trace): allocation only grows, so it stands where it was
+        points.append((x, round(sum(ys) / len(ys), 2) if ys else (points[-1][1] if points else 0.0)))
     return points
 
 

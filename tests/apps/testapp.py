@@ -85,3 +85,9 @@ def hog(ctx: Context, data: dict[str, Any]) -> dict[str, Any]:
     write_fake_state(Path(data["state"]), ctx.gpus[0], processes=[{"pid": os.getpid(), "used_memory_bytes": data["bytes"]}])
     time.sleep(float(data.get("sleep", 30)))
     return {}
+
+
+@app.capability("share", gpu_memory="4Gi", cpu=0.1)
+def share(ctx: Context, data: dict[str, Any]) -> dict[str, Any]:
+    time.sleep(float(data.get("sleep", 0)))
+    return {"gpus": ctx.gpus}

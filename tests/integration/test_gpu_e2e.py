@@ -80,3 +80,19 @@ def test_turnout_gpus_lists_fake_gpus_with_mig_devices(cluster: Cluster) -> None
     assert [m["profile"] for m in gpus[0]["mig_devices"]] == ["3g.20gb", "2g.10gb"]
     bad = cluster.cli("gpus", "--gpus", "fake:banana")
     assert bad.returncode == 2 and "gpus" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_shared_gpu_tasks_pack_onto_the_worker_already_in_use(cluster: Cluster) -> None:
+    cluster.start_worker(APP, gpus="fake:1x24Gi", name="left")
+    cluster.start_worker(APP, gpus="fake:1x24Gi", name="right")
+    first = cluster.submit("share", {"sleep": 8}, gpu="require")
+    deadline = time.monotonic() + 20
+    while cluster.api("GET", f"/v1/tasks/{first['id']}").json()["state"] not in ("leased", "running"):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    holder = cluster.api("GET", f"/v1/tasks/{first['id']}").json()["worker"]
+    others = [cluster.submit("share", {"sleep": 0}, gpu="require") for _ in range(3)]
+    for t in others:
+        done = cluster.result(t["id"], wait=30)
+        assert done["state"] == "succeeded"
+        assert done["worker"] == holder  # packed next to the running share, not spread to the idle GPU

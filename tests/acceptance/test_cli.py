@@ -1,0 +1,74 @@
+"""The CLI as a user runs it: subprocesses, exit codes, and errors that say what was wrong (never a traceback)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import Cluster, free_port
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "turnout.cli", *args], capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL, env=env)  # fmt: skip
+
+
+def test_simulate_replays_a_trace_through_the_placement_code(tmp_path: Path) -> None:
+    nodes = tmp_path / "nodes.csv"
+    nodes.write_text("sn,cpu_milli,memory_mib,gpu,model\nn0,32000,65536,2,V100\nn1,32000,65536,2,V100\n")
+    tasks = tmp_path / "tasks.csv"
+    header = "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time,scheduled_time\n"
+    rows = "".join(f"p{i},1000,1024,1,500,,LS,Running,0,10,0\n" for i in range(8))
+    tasks.write_text(header + rows)
+    out = run("simulate", "--nodes", str(nodes), "--tasks", str(tasks), "--policy", "bestfit", "--seed", "42", "--json")
+    assert out.returncode == 0, out.stderr
+    body = json.loads(out.stdout)
+    assert body["policy"] == "bestfit" and body["seed"] == 42
+    assert body["points"][0]["arrived_pct"] == 0
+    assert max(p["arrived_pct"] for p in body["points"]) <= 130
+    assert body["points"][-1]["allocated_pct"] == 100.0  # 4 GPUs, 8 half-GPU tasks fit (2 resampled do not)
+
+
+def test_simulate_names_the_bad_file_and_line(tmp_path: Path) -> None:
+    nodes = tmp_path / "nodes.csv"
+    nodes.write_text("sn,cpu_milli,memory_mib,gpu,model\nn0,lots,65536,2,V100\n")
+    out = run("simulate", "--nodes", str(nodes), "--tasks", str(nodes))
+    assert out.returncode == 2
+    assert "nodes.csv" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_cli_without_a_controller_says_so(tmp_path: Path) -> None:
+    env = {**os.environ, "TURNOUT_URL": f"http://127.0.0.1:{free_port()}", "TURNOUT_HOME": str(tmp_path)}
+    out = run("status", env=env)
+    assert out.returncode == 2
+    assert "cannot reach" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_submit_with_bad_json_input_names_the_option(cluster: Cluster) -> None:
+    out = cluster.cli("submit", "echo", "--input", "{not json")
+    assert out.returncode == 2
+    assert "--input" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_submit_wait_prints_the_result_and_tasks_lists_it(cluster: Cluster) -> None:
+    cluster.start_worker("turnout.demo:app", name="demo")
+    out = cluster.cli("submit", "echo", "--input", '{"x": 1}', "--wait")
+    assert out.returncode == 0, out.stderr
+    task = json.loads(out.stdout)
+    assert task["output"] == {"x": 1} and task["state"] == "succeeded"
+    listed = cluster.cli("tasks", "--json")
+    assert task["id"] in {t["id"] for t in json.loads(listed.stdout)["tasks"]}
+    shown = cluster.cli("task", task["id"])
+    assert json.loads(shown.stdout)["id"] == task["id"]
+    failed = cluster.cli("submit", "fail", "--wait")
+    assert failed.returncode == 1
+
+
+def test_no_auth_is_refused_off_loopback(tmp_path: Path) -> None:
+    out = run("controller", "--no-auth", "--host", "0.0.0.0", "--port", str(free_port()), "--home", str(tmp_path),
+              "--db", f"sqlite:///{tmp_path / 'x.db'}")  # fmt: skip
+    assert out.returncode == 2
+    assert "loopback" in out.stderr
