@@ -12,7 +12,7 @@ import asyncio
 import json
 import os
 import threading
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -150,7 +150,7 @@ class AsyncClient:
             for event in batch:
                 yield event
 
-    async def event_batches(self, task_id: str, after: int = 0) -> AsyncIterator[list[dict[str, Any]]]:
+    async def event_batches(self, task_id: str, after: int = 0) -> AsyncGenerator[list[dict[str, Any]], None]:
         """`events` in the batches the network delivers, so a caller on another thread pays one hop per batch."""
         seen = after
         while True:
@@ -192,6 +192,10 @@ class _SseFrames:
         return out
 
 
+async def _next(agen: AsyncGenerator[T, None]) -> T:
+    return await agen.__anext__()
+
+
 class _Loop:
     """A private event loop on a daemon thread, so the sync client can drive the async one."""
 
@@ -229,7 +233,7 @@ class TaskHandle:
         try:
             while True:
                 try:
-                    batch = self._client._run(batches.__anext__())
+                    batch: list[dict[str, Any]] = self._client._run(_next(batches))
                 except StopAsyncIteration:
                     return
                 yield from batch
