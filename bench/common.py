@@ -1,0 +1,137 @@
+"""What every bench that starts real processes needs: process groups that always die, a Turnout cluster on
+loopback, percentiles.
+
+The cluster mirrors `tests/conftest.py` (a controller and `turnout worker` subprocesses on a fresh SQLite
+file, the admin token read from `$TURNOUT_HOME/admin.token`), but benches cannot import from `tests/`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def percentile(samples: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of a non-empty sample."""
+    ordered = sorted(samples)
+    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
+    return ordered[rank - 1]
+
+
+@dataclass
+class Processes:
+    """Subprocesses started in their own sessions; `stop_all` kills each whole process group."""
+
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def start(self, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+        with log.open("ab") as fh:
+            proc = subprocess.Popen(argv, env=env, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, cwd=str(REPO))  # fmt: skip
+        self.procs.append(proc)
+        return proc
+
+    def stop_all(self, grace_s: float = 5.0) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        for proc in self.procs:  # the group may outlive its leader (handler processes), so always SIGKILL it
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+        self.procs.clear()
+
+
+@dataclass
+class TurnoutCluster:
+    """A controller on a fresh SQLite file in `tmp`, and `turnout worker` processes added to it."""
+
+    tmp: Path
+    procs: Processes
+    port: int = field(default_factory=free_port)
+    heartbeat_s: float = 5.0
+    token: str = ""
+    controller: subprocess.Popen[bytes] | None = None
+    workers: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+    @property
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TURNOUT_")}
+        env.update(TURNOUT_HOME=str(self.tmp / "home"), TURNOUT_URL=self.url, PYTHONUNBUFFERED="1")
+        if self.token:
+            env["TURNOUT_TOKEN"] = self.token
+        return env
+
+    def start_controller(self, timeout_s: float = 30) -> None:
+        argv = [sys.executable, "-m", "turnout.cli", "controller", "--db", f"sqlite:///{self.tmp / 'turnout.db'}",
+                "--port", str(self.port), "--home", str(self.tmp / "home"), "--heartbeat-s", str(self.heartbeat_s)]  # fmt: skip
+        self.controller = self.procs.start(argv, self.env, self.tmp / "controller.log")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.controller.poll() is not None:
+                raise RuntimeError(f"controller exited: {self.log_tail('controller')}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.05)
+        else:
+            raise RuntimeError(f"controller did not come up: {self.log_tail('controller')}")
+        self.token = (self.tmp / "home" / "admin.token").read_text().strip()
+
+    def start_worker(self, app: str, name: str, timeout_s: float = 30) -> subprocess.Popen[bytes]:
+        argv = [sys.executable, "-m", "turnout.cli", "worker", app, "--controller", self.url, "--gpus", "none",
+                "--name", name, "--heartbeat-s", str(self.heartbeat_s)]  # fmt: skip
+        proc = self.procs.start(argv, self.env, self.tmp / f"worker-{name}.log")
+        self.workers[name] = proc
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"worker {name} exited: {self.log_tail(f'worker-{name}')}")
+            body = httpx.get(f"{self.url}/v1/workers", headers=self.headers, timeout=5).json()
+            if any(w["name"] == name and w["state"] == "healthy" for w in body["workers"]):
+                return proc
+            time.sleep(0.05)
+        raise RuntimeError(f"worker {name} did not register: {self.log_tail(f'worker-{name}')}")
+
+    def log_tail(self, name: str, chars: int = 3000) -> str:
+        path = self.tmp / f"{name}.log"
+        return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
+    def pids(self) -> dict[str, int]:
+        """The controller's and workers' pids, by role (`controller`, `worker-NAME`)."""
+        out = {f"worker-{n}": p.pid for n, p in self.workers.items()}
+        if self.controller is not None:
+            out["controller"] = self.controller.pid
+        return out
