@@ -8,7 +8,6 @@ controllers (PostgreSQL) the store's conditional updates keep them honest.
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import time
@@ -217,7 +216,10 @@ class Controller:
         updates = []
         cluster_cache: dict[tuple[str, str, str], ClusterView] = {}
         fleet: _Fleet | None = None  # built on the first GPU candidate only
-        for task in self.store.queued_tasks(caps, limit=self.settings.lease_window):
+        # look a little past what fits (not the whole window) unless the head of the queue is not for us
+        slots = min(max_tasks, int((room.cpu + 1e-9) / smallest) if smallest > 0 else max_tasks)
+        window = min(self.settings.lease_window, max(16, 4 * slots))
+        for task in self.store.queued_tasks(caps, limit=window, widen_to=self.settings.lease_window):
             if len(leases) >= max_tasks or room.cpu + 1e-9 < smallest:
                 break
             offered = worker.offers(task.spec.capability)
@@ -429,30 +431,29 @@ class Controller:
     def _expire_unplaceable(self, now: float, healthy: Sequence[Worker]) -> bool:
         """Fail tasks no live worker could serve for their whole `placement_timeout_s` (`no_capacity`).
 
-        Tasks alike (capability, gpu value, overrides, avoided GPUs) share one verdict, so a deep queue costs
-        a few cluster views, not one per task.
+        Plain tasks of one kind (capability and gpu value) share one verdict, applied in SQL, so a deep queue
+        costs a few statements; only tasks with their own overrides or a retry history are judged one by one.
         """
+        failed: list[str] = []
+        for capability, mode, sample_id in self.store.queued_kinds():
+            sample = self.store.get_task(sample_id)
+            if sample is None:
+                continue
+            ok = servable(sample.spec.gpu, self._cluster_view(healthy, sample))
+            failed += self.store.mark_servable(capability, mode, ok, now, _no_capacity(sample))
         updates: list[Change] = []
-        verdicts: dict[tuple[str, str, str, str], bool] = {}
-        for row in self.store.queued_brief():
-            avoid = ",".join((row.routing or {}).get("avoid_gpus", ()))
-            key = (row.capability, row.gpu_mode, json.dumps(row.resources, sort_keys=True), avoid)
-            if key not in verdicts:
-                task = self.store.get_task(row.id)
-                verdicts[key] = task is not None and servable(task.spec.gpu, self._cluster_view(healthy, task))
-            ok, since = verdicts[key], row.unservable_since
+        for t in self.store.queued_unusual():
+            ok = servable(t.spec.gpu, self._cluster_view(healthy, t))
+            since = t.unservable_since
             if ok and since is not None:
-                updates.append((row.id, (TaskState.QUEUED,), row.attempts, {"unservable_since": None}))
+                updates.append((t.id, (TaskState.QUEUED,), t.attempts, {"unservable_since": None}))
             elif not ok and since is None:
-                updates.append((row.id, (TaskState.QUEUED,), row.attempts, {"unservable_since": now}))
-            elif not ok and since is not None and now - since >= row.placement_timeout_s:
-                error = {"type": "no_capacity",
-                         "message": f"no live worker offers a variant of {row.capability!r} that gpu={row.gpu_mode} "
-                                    f"allows and that fits, for {row.placement_timeout_s:g} s"}  # fmt: skip
-                updates.append((row.id, (TaskState.QUEUED,), row.attempts,
-                                {"state": TaskState.FAILED, "error": error, "finished_at": now}))  # fmt: skip
+                updates.append((t.id, (TaskState.QUEUED,), t.attempts, {"unservable_since": now}))
+            elif not ok and since is not None and now - since >= t.spec.placement_timeout_s:
+                updates.append((t.id, (TaskState.QUEUED,), t.attempts,
+                                {"state": TaskState.FAILED, "error": _no_capacity(t), "finished_at": now}))  # fmt: skip
         done = set(self.store.update_tasks(updates)) if updates else set()
-        return any(u[3].get("state") is TaskState.FAILED for u in updates if u[0] in done)
+        return bool(failed) or any(u[3].get("state") is TaskState.FAILED for u in updates if u[0] in done)
 
     # ---- events and audit --------------------------------------------------------------------
 
@@ -527,6 +528,12 @@ def _needs(variant: Variant | None, task: Task) -> Resources | None:
     if variant.device is Device.CPU and res.wants_gpu:
         res = replace(res, gpu=0, gpu_memory_bytes=None, gpu_models=(), min_compute_capability=None)
     return res
+
+
+def _no_capacity(task: Task) -> dict[str, Any]:
+    return {"type": "no_capacity",
+            "message": f"no live worker offers a variant of {task.spec.capability!r} that gpu={task.spec.gpu.value} "
+                       "allows and that fits, for the task's whole placement_timeout_s"}  # fmt: skip
 
 
 def _view_key(task: Task) -> tuple[str, str, str]:

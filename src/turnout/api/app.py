@@ -224,8 +224,9 @@ def create_app(service: Service) -> FastAPI:
     async def lease(worker_id: str, body: LeaseIn, p: Principal = need("worker")) -> dict[str, Any]:
         deadline = time.monotonic() + min(body.wait_s, ctrl.settings.max_lease_wait_s)
         running = list(body.running)
+        mine = service.worker_signal(worker_id)
         while True:
-            signal = service.queue_changed.current()
+            signals = [service.queue_changed.current(), mine.current()]
             result = await service.call(ctrl.lease, worker_id, max_tasks=body.max_tasks, running=running)
             running = [tid for tid in running if tid not in set(result.cancel)]
             left = deadline - time.monotonic()
@@ -242,7 +243,7 @@ def create_app(service: Service) -> FastAPI:
                     ],
                     "cancel": result.cancel,
                 }  # fmt: skip
-            await Signal.wait(signal, min(left, POLL_S))
+            await Signal.wait_any(signals, min(left, POLL_S))
 
     @app.post("/v1/workers/{worker_id}/complete")
     async def complete(worker_id: str, body: CompleteIn, p: Principal = need("worker")) -> dict[str, Any]:
@@ -252,7 +253,10 @@ def create_app(service: Service) -> FastAPI:
         ]
         accepted, refused = await service.call(ctrl.complete, worker_id, completions)
         if accepted:
-            service.changed()
+            service.worker_signal(worker_id).notify()  # its capacity is free again; other workers' is not
+            service.tasks_changed.notify()
+            if any(not c.succeeded for c in completions):
+                service.queue_changed.notify()  # a retryable failure went back to the queue, for anyone
         return {"accepted": accepted, "refused": refused}
 
     @app.post("/v1/workers/{worker_id}/events")

@@ -66,6 +66,15 @@ class Signal:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(event.wait(), timeout=max(0.0, timeout_s))
 
+    @staticmethod
+    async def wait_any(events: list[asyncio.Event], timeout_s: float) -> None:
+        waiters = [asyncio.ensure_future(e.wait()) for e in events]
+        try:
+            await asyncio.wait(waiters, timeout=max(0.0, timeout_s), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
+
 
 class Service:
     def __init__(self, controller: Controller, tokens: TokenBook, *, auth: bool = True) -> None:
@@ -78,6 +87,7 @@ class Service:
         self.queue_changed = Signal()  # new tasks, freed capacity, cancellations
         self.tasks_changed = Signal()  # some task reached a terminal state or changed worker
         self.events_added = Signal()
+        self._worker_signals: dict[str, Signal] = {}  # capacity freed on one worker: wakes only its lease poll
         self._reaper: asyncio.Task[None] | None = None
 
     async def call(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
@@ -117,6 +127,12 @@ class Service:
                     job.error = job.error or exc
             for job in batch:
                 job.loop.call_soon_threadsafe(job.settle)
+
+    def worker_signal(self, worker_id: str) -> Signal:
+        signal = self._worker_signals.get(worker_id)
+        if signal is None:
+            signal = self._worker_signals[worker_id] = Signal()
+        return signal
 
     def changed(self) -> None:
         self.queue_changed.notify()

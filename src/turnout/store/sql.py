@@ -162,26 +162,65 @@ class SqlStore:
         with self._read() as conn:
             return [_task(r) for r in conn.execute(query)]
 
-    def queued_tasks(self, capabilities: Iterable[str] | None = None, limit: int = 500) -> Iterator[Task]:
-        """Queued tasks, highest priority first, then oldest first; decoded lazily, as the caller reads."""
-        query = (
-            sa.select(T)
-            .where(T.c.state == TaskState.QUEUED.value)
-            .order_by(T.c.priority.desc(), T.c.created_at, T.c.id)
-            .limit(limit)
-        )
+    def queued_tasks(
+        self, capabilities: Iterable[str] | None = None, limit: int = 500, *, widen_to: int | None = None
+    ) -> Iterator[Task]:
+        """Queued tasks, highest priority first, then oldest first, decoded as the caller reads.
+
+        Reads `limit` rows first; a caller that reads past them gets more, up to `widen_to` in all.
+        """
+        query = sa.select(T).where(T.c.state == TaskState.QUEUED.value).order_by(T.c.priority.desc(), T.c.created_at, T.c.id)
         if capabilities is not None:
             query = query.where(T.c.capability.in_(list(capabilities)))
         with self._read() as conn:
-            rows = conn.execute(query).all()
-        return (_task(r) for r in rows)
-
-    def queued_brief(self, limit: int = 100_000) -> list[Any]:
-        """Just what the placement-timeout sweep needs of each queued task, without decoding whole tasks."""
-        query = sa.select(T.c.id, T.c.capability, T.c.gpu_mode, T.c.resources, T.c.routing, T.c.unservable_since,
-                          T.c.placement_timeout_s, T.c.attempts).where(T.c.state == TaskState.QUEUED.value).limit(limit)  # fmt: skip
+            rows = conn.execute(query.limit(limit)).all()
+        yield from (_task(r) for r in rows)
+        total = max(limit, widen_to or 0)
+        if len(rows) < limit or total <= limit:
+            return
         with self._read() as conn:
-            return list(conn.execute(query).all())
+            more = conn.execute(query.offset(limit).limit(total - limit)).all()
+        yield from (_task(r) for r in more)
+
+    def queued_kinds(self) -> list[tuple[str, str, str]]:
+        """(capability, gpu mode, a task id) per kind of plain queued task: no overrides, never retried."""
+        query = (
+            sa.select(T.c.capability, T.c.gpu_mode, sa.func.min(T.c.id))
+            .where(T.c.state == TaskState.QUEUED.value, T.c.resources.is_(None), T.c.routing.is_(None))
+            .group_by(T.c.capability, T.c.gpu_mode)
+        )
+        with self._read() as conn:
+            return [(c, m, i) for c, m, i in conn.execute(query)]
+
+    def queued_unusual(self, limit: int = 10_000) -> list[Task]:
+        """Queued tasks with their own resources or a routing history: each needs its own verdict."""
+        query = (
+            sa.select(T)
+            .where(T.c.state == TaskState.QUEUED.value, sa.or_(T.c.resources.is_not(None), T.c.routing.is_not(None)))
+            .limit(limit)
+        )
+        with self._read() as conn:
+            return [_task(r) for r in conn.execute(query)]
+
+    def mark_servable(self, capability: str, gpu_mode: str, servable: bool, now: float, error: dict[str, Any]) -> list[str]:
+        """For plain queued tasks of one kind: start, clear, or act on the placement-timeout clock, in SQL.
+
+        Returns the ids that failed `no_capacity` (unservable for their whole `placement_timeout_s`).
+        """
+        kind = (T.c.state == TaskState.QUEUED.value, T.c.capability == capability, T.c.gpu_mode == gpu_mode,
+                T.c.resources.is_(None), T.c.routing.is_(None))  # fmt: skip
+        failed: list[str] = []
+        with self._write() as conn:
+            if servable:
+                conn.execute(T.update().where(*kind, T.c.unservable_since.is_not(None)).values(unservable_since=None))
+                return failed
+            conn.execute(T.update().where(*kind, T.c.unservable_since.is_(None)).values(unservable_since=now))
+            due = (*kind, T.c.unservable_since + T.c.placement_timeout_s <= now)
+            failed = [r[0] for r in conn.execute(sa.select(T.c.id).where(*due))]
+            if failed:
+                conn.execute(T.update().where(T.c.id.in_(failed), *kind)
+                             .values(state=TaskState.FAILED.value, error=error, finished_at=now))  # fmt: skip
+        return failed
 
     def active_tasks(self, worker_ids: Iterable[str] | None = None) -> list[Task]:
         query = sa.select(T).where(T.c.state.in_([TaskState.LEASED.value, TaskState.RUNNING.value]))
