@@ -141,3 +141,12 @@ def test_capabilities_and_workers_list_variants_and_gpus(api: Cluster) -> None:
     assert w["gpus"][0]["memory_total_bytes"] == 24 * 2**30
     drained = api.api("POST", f"/v1/workers/{w['id']}/drain").json()
     assert drained["state"] == "draining"
+
+
+def test_malformed_worker_events_are_422_naming_the_event(api: Cluster) -> None:
+    worker = next(w for w in api.api("GET", "/v1/workers").json()["workers"] if w["name"] == "api-worker")
+    bad = {"events": [{"task_id": "t_x", "attempt": 1, "event": {"event": "log"}}, {"task_id": "t_x", "attempt": 0, "event": {}}]}
+    resp = api.api("POST", f"/v1/workers/{worker['id']}/events", json=bad)
+    assert resp.status_code == 422
+    assert resp.json()["error"]["field"] == "events.1"
+    assert api.api("POST", f"/v1/workers/{worker['id']}/events", content=b"[").status_code == 422

@@ -16,7 +16,6 @@ from turnout import __version__
 from turnout.api import errors
 from turnout.api.schemas import (
     CompleteIn,
-    EventsIn,
     HeartbeatIn,
     LeaseIn,
     RegisterIn,
@@ -24,6 +23,7 @@ from turnout.api.schemas import (
     TaskIn,
     TokenIn,
     iso,
+    parse_events,
     task_out,
     worker_out,
 )
@@ -260,8 +260,12 @@ def create_app(service: Service) -> FastAPI:
         return {"accepted": accepted, "refused": refused}
 
     @app.post("/v1/workers/{worker_id}/events")
-    async def worker_events(worker_id: str, body: EventsIn, p: Principal = need("worker")) -> dict[str, Any]:
-        items = [(e.task_id, e.attempt, e.event) for e in body.events]
+    async def worker_events(worker_id: str, request: Request, p: Principal = need("worker")) -> dict[str, Any]:
+        try:
+            raw = json.loads(await request.body())
+        except ValueError:
+            raise InvalidInput("body: not valid JSON", field="body") from None
+        items = parse_events(raw)
         last = await service.call(ctrl.append_events, worker_id, items)
         if last:
             service.events_added.notify()

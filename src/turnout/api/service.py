@@ -16,9 +16,9 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import Callable
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
