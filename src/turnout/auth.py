@@ -68,6 +68,15 @@ class TokenBook:
         self.store.revoke_token(token_id, time.time())
         self._cache.clear()
 
+    def cached(self, header: str | None, need: str) -> Principal | None:
+        """The principal if this token was looked up in the last few seconds (raises if it was bad); else None."""
+        if not header or not header.lower().startswith("bearer "):
+            raise Unauthorized("missing bearer token (Authorization: Bearer <token>)")
+        hit = self._cache.get(hash_token(header[7:].strip()))
+        if hit is None or time.monotonic() - hit[0] > self.CACHE_S:
+            return None
+        return self._check(hit[1], need)
+
     def verify(self, header: str | None, need: str) -> Principal:
         if not header or not header.lower().startswith("bearer "):
             raise Unauthorized("missing bearer token (Authorization: Bearer <token>)")
@@ -82,7 +91,10 @@ class TokenBook:
             if len(self._cache) > 10_000:
                 self._cache.clear()
             self._cache[digest] = hit = (now, principal)
-        principal = hit[1]
+        return self._check(hit[1], need)
+
+    @staticmethod
+    def _check(principal: Principal | None, need: str) -> Principal:
         if principal is None:
             raise Unauthorized("unknown or revoked token")
         if principal.role not in ALLOWED[need]:

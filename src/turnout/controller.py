@@ -49,6 +49,8 @@ log = logging.getLogger("turnout.controller")
 ACTIVE = tuple(ACTIVE_STATES)
 LIVE_WORKER_STATES = (WorkerState.HEALTHY, WorkerState.DRAINING)
 RETRYABLE_ERRORS = frozenset({"gpu_oom", "worker_lost"})
+WORKER_CACHE_S = 0.25  # how stale this controller's copy of the worker list may be
+RUNNING_AFTER_S = 0.5  # a leased task the worker reports as running is marked so after this long
 PLACEMENT_SETTLE_S = 1.0  # how long a GPU task waits for the policy's best worker before any fitting one takes it
 Change = tuple[str, Sequence[TaskState], "int | None", dict[str, Any]]  # see SqlStore.update_tasks
 
@@ -88,6 +90,7 @@ class Controller:
         self.store = store
         self.settings = settings
         self.clock = clock
+        self._fleet_cache: tuple[float, dict[str, Worker]] | None = None
 
     # ---- tasks -------------------------------------------------------------------------------
 
@@ -144,6 +147,7 @@ class Controller:
             last_heartbeat=now, heartbeat_s=heartbeat_s or self.settings.heartbeat_s,
         )  # fmt: skip
         self.store.upsert_worker(worker)
+        self._fleet_cache = None
         self.audit("worker_registered", None, {"worker": worker.id, "name": name, "host": host,
                                                  "gpus": [g.get("uuid") for g in gpus]})  # fmt: skip
         return worker
@@ -161,22 +165,34 @@ class Controller:
             values["quarantined"] = quarantined
         if worker.state is WorkerState.UNHEALTHY:
             values["state"] = WorkerState.HEALTHY.value  # it came back; its old leases were already re-queued
+        if "state" in values or (quarantined is not None and quarantined != worker.quarantined):
+            self._fleet_cache = None
         self.store.update_worker(worker_id, **values)
         return replace(worker, last_heartbeat=values["last_heartbeat"])
 
     def drain(self, worker_id: str) -> Worker:
         self._worker(worker_id)
         self.store.update_worker(worker_id, (WorkerState.HEALTHY, WorkerState.UNHEALTHY), state=WorkerState.DRAINING.value)
+        self._fleet_cache = None
         return self._worker(worker_id)
 
     def deregister(self, worker_id: str) -> None:
         """A worker leaving cleanly: its unfinished tasks go back to the queue at once."""
         self._worker(worker_id)
         self.store.update_worker(worker_id, state=WorkerState.GONE.value)
+        self._fleet_cache = None
         self._requeue_lost(self.store.active_tasks([worker_id]), "worker left")
 
     def workers(self) -> list[Worker]:
         return self.store.list_workers()
+
+    def _fleet(self) -> dict[str, Worker]:
+        """Live workers by id, re-read at most every WORKER_CACHE_S: a lease is asked for far more often than
+        the fleet changes. A change made through this controller drops the copy at once."""
+        now = time.monotonic()
+        if self._fleet_cache is None or now - self._fleet_cache[0] > WORKER_CACHE_S:
+            self._fleet_cache = (now, {w.id: w for w in self.store.list_workers()})
+        return self._fleet_cache[1]
 
     def _worker(self, worker_id: str) -> Worker:
         worker = self.store.get_worker(worker_id)
@@ -193,13 +209,17 @@ class Controller:
         (cancelled, timed out, re-queued after it was thought lost) comes back in `cancel`.
         """
         now = self.clock()
-        worker = self._worker(worker_id)
+        fleet = self._fleet()
+        worker = fleet.get(worker_id) or self._worker(worker_id)
         if worker.state is WorkerState.GONE:
             raise NotFound(f"worker {worker_id} has left; register again", field="worker")
         active = self.store.active_tasks([worker_id])
         mine = {t.id: t for t in active if t.worker_id == worker_id}
         cancel = self._to_stop(worker_id, [tid for tid in running if tid not in mine])
-        started = [t for t in mine.values() if t.state is TaskState.LEASED and t.id in set(running)]
+        # a task shows `running` once it has run a moment: a short one goes leased -> succeeded with no extra
+        # write (and fsync) on its path; its started_at comes with its result
+        started = [t for t in mine.values() if t.state is TaskState.LEASED and t.id in set(running)
+                   and now - (t.leased_at or now) >= RUNNING_AFTER_S]  # fmt: skip
         if started:
             self.store.update_tasks(
                 [(t.id, (TaskState.LEASED,), t.attempts, {"state": TaskState.RUNNING, "started_at": now}) for t in started]
@@ -210,12 +230,12 @@ class Controller:
         smallest = min((v.resources.cpu for v in worker.variants), default=0.0)
         if room.cpu + 1e-9 < smallest:
             return LeaseResult([], cancel)  # full: nothing it offers could fit now
-        workers = [w for w in self.store.list_workers() if w.state is WorkerState.HEALTHY]
+        workers = [w for w in fleet.values() if w.state is WorkerState.HEALTHY]
         caps = {v.capability for v in worker.variants}
         leases: list[Lease] = []
         updates = []
         cluster_cache: dict[tuple[str, str, str], ClusterView] = {}
-        fleet: _Fleet | None = None  # built on the first GPU candidate only
+        placement: _Fleet | None = None  # built on the first GPU candidate only
         # look a little past what fits (not the whole window) unless the head of the queue is not for us
         slots = min(max_tasks, int((room.cpu + 1e-9) / smallest) if smallest > 0 else max_tasks)
         window = min(self.settings.lease_window, max(16, 4 * slots))
@@ -238,9 +258,9 @@ class Controller:
             if decision is None:
                 continue
             if decision.device is Device.GPU and gpu_res is not None:
-                fleet = fleet or _Fleet(self, workers, worker_id)
-                fleet.update(worker_id, room)
-                best = fleet.best(gpu_res, task)
+                placement = placement or _Fleet(self, workers, worker_id)
+                placement.update(worker_id, room)
+                best = placement.best(gpu_res, task)
                 if best not in (None, worker_id) and now - (task.queued_at or task.created_at) < PLACEMENT_SETTLE_S:
                     continue  # another worker fits it better: leave it to that worker for a moment
             last_error = (task.routing or {}).get("last_error") or {}
@@ -406,6 +426,7 @@ class Controller:
         for w in workers:
             silent = w.state in LIVE_WORKER_STATES and now - w.last_heartbeat > 3 * w.heartbeat_s
             if silent and self.store.update_worker(w.id, LIVE_WORKER_STATES, state=WorkerState.UNHEALTHY.value):
+                self._fleet_cache = None
                 log.warning("worker %s (%s) missed three heartbeats: unhealthy", w.id, w.name)
                 changed = True
         by_id: dict[str, Worker] = {w.id: w for w in self.store.list_workers(include_gone=True)}

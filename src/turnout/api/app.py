@@ -51,7 +51,10 @@ def create_app(service: Service) -> FastAPI:
         async def check(authorization: str | None = Header(None)) -> Principal:
             if not service.auth:
                 return ANONYMOUS_ADMIN
-            return await service.call(service.tokens.verify, authorization, kind)
+            cached = service.tokens.cached(authorization, kind)  # the hot path: no database, no thread hop
+            if cached is not None:
+                return cached
+            return await service.read(service.tokens.verify, authorization, kind)
 
         return Depends(check)
 
@@ -89,20 +92,20 @@ def create_app(service: Service) -> FastAPI:
     ) -> dict[str, Any]:
         if state is not None and state not in {s.value for s in TaskState}:
             raise InvalidInput(f"state: {state!r} is not a task state", field="state")
-        tasks = await service.call(ctrl.list_tasks, scope(p), state=state, capability=capability, limit=limit,
+        tasks = await service.read(ctrl.list_tasks, scope(p), state=state, capability=capability, limit=limit,
                                    cursor=cursor)  # fmt: skip
         return {"tasks": [task_out(t) for t in tasks], "next_cursor": tasks[-1].id if len(tasks) == limit else None}
 
     @app.get("/v1/tasks/{task_id}")
     async def get_task(task_id: str, p: Principal = need("read")) -> dict[str, Any]:
-        return task_out(await service.call(ctrl.get_task, scope(p), task_id))
+        return task_out(await service.read(ctrl.get_task, scope(p), task_id))
 
     @app.get("/v1/tasks/{task_id}/result")
     async def get_result(task_id: str, wait: float = Query(0, ge=0, le=3600), p: Principal = need("read")) -> dict[str, Any]:
         deadline = time.monotonic() + wait
         while True:
             signal = service.tasks_changed.current()
-            task = await service.call(ctrl.get_task, scope(p), task_id)
+            task = await service.read(ctrl.get_task, scope(p), task_id)
             left = deadline - time.monotonic()
             if task.state.terminal or left <= 0:
                 return task_out(task)
@@ -122,7 +125,7 @@ def create_app(service: Service) -> FastAPI:
         last_event_id: str | None = Header(None),
         p: Principal = need("read"),
     ) -> StreamingResponse:
-        await service.call(ctrl.get_task, scope(p), task_id)  # 404 before the stream starts
+        await service.read(ctrl.get_task, scope(p), task_id)  # 404 before the stream starts
         start = after
         if last_event_id:
             if not last_event_id.isdigit():
@@ -137,7 +140,7 @@ def create_app(service: Service) -> FastAPI:
             seen = start
             while True:
                 signal = service.events_added.current()
-                batch = await service.call(ctrl.store.read_events, task_id, seen, 5000)
+                batch = await service.read(ctrl.store.read_events, task_id, seen, 5000)
                 frames = []  # one write per batch: a chatty task costs the event loop little per event
                 for seq, ts, body in batch:
                     seen = seq
@@ -148,13 +151,13 @@ def create_app(service: Service) -> FastAPI:
                 if batch:
                     yield b"".join(frames)
                     continue
-                task = await service.call(ctrl.get_task, None, task_id)
+                task = await service.read(ctrl.get_task, None, task_id)
                 if task.state.terminal:
                     # Python handlers' results arrive as the task's completion, not as stored events: the
                     # stream ends with a `finish` made from the task record, at the next seq, every time alike.
-                    if await service.call(ctrl.store.read_events, task_id, seen, 1):
+                    if await service.read(ctrl.store.read_events, task_id, seen, 1):
                         continue
-                    last = await service.call(ctrl.store.last_event_seq, task_id)
+                    last = await service.read(ctrl.store.last_event_seq, task_id)
                     if seen <= last:
                         yield frame(last + 1, task.finished_at, finish_event(task))
                     return
@@ -168,8 +171,8 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/v1/capabilities")
     async def capabilities(p: Principal = need("read")) -> dict[str, Any]:
-        workers = await service.call(ctrl.workers)
-        depths = await service.call(ctrl.store.queue_depths)
+        workers = await service.read(ctrl.workers)
+        depths = await service.read(ctrl.store.queue_depths)
         caps: dict[str, dict[str, Any]] = {}
         for w in workers:
             for v in w.variants:
@@ -188,8 +191,8 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/v1/workers")
     async def workers(p: Principal = need("read")) -> dict[str, Any]:
-        ws = await service.call(ctrl.workers)
-        active = await service.call(ctrl.store.active_tasks)
+        ws = await service.read(ctrl.workers)
+        active = await service.read(ctrl.store.active_tasks)
         counts: dict[str, int] = {}
         for t in active:
             counts[t.worker_id or ""] = counts.get(t.worker_id or "", 0) + 1
@@ -293,13 +296,13 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/v1/audit")
     async def audit(since: str | None = None, p: Principal = need("admin")) -> dict[str, Any]:
-        records = await service.call(ctrl.store.list_audit, _parse_since(since))
+        records = await service.read(ctrl.store.list_audit, _parse_since(since))
         return {"audit": [{"id": r["id"], "ts": iso(r["ts"]), "kind": r["kind"], "tenant": r["tenant"], **r["body"]}
                           for r in records]}  # fmt: skip
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        depths = await service.call(ctrl.store.queue_depths)
+        depths = await service.read(ctrl.store.queue_depths)
         lines = ["# HELP turnout_tasks Tasks by capability and state (non-terminal)", "# TYPE turnout_tasks gauge"]
         for cap, states in sorted(depths.items()):
             for state, n in sorted(states.items()):

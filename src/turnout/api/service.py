@@ -19,6 +19,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -84,11 +85,17 @@ class Service:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._db = threading.Thread(target=self._run_jobs, name="turnout-db", daemon=True)
         self._db.start()
+        self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="turnout-read")
         self.queue_changed = Signal()  # new tasks, freed capacity, cancellations
         self.tasks_changed = Signal()  # some task reached a terminal state or changed worker
         self.events_added = Signal()
         self._worker_signals: dict[str, Signal] = {}  # capacity freed on one worker: wakes only its lease poll
         self._reaper: asyncio.Task[None] | None = None
+
+    async def read(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+        """Run a read-only `fn` beside the writer: it sees committed state and waits for no commit."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._readers, functools.partial(fn, *args, **kwargs))
 
     async def call(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         """Run `fn` on the database thread; returns once its writes are committed."""
@@ -148,6 +155,7 @@ class Service:
                 await self._reaper
         self._jobs.put(None)
         await asyncio.get_running_loop().run_in_executor(None, self._db.join)
+        self._readers.shutdown(wait=True)
         self.controller.store.close()
 
     async def _sweep_forever(self) -> None:

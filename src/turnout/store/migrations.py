@@ -20,8 +20,18 @@ def _initial(conn: sa.Connection) -> None:
     schema.metadata.create_all(conn, tables=tables)
 
 
+def _queue_order_and_nulls(conn: sa.Connection) -> None:
+    schema.queue_order.create(conn, checkfirst=True)
+    nullable_json = {"tasks": ("input", "output", "error", "resources", "labels", "gpus", "alloc", "routing"),
+                     "workers": ("metrics", "quarantined")}  # fmt: skip
+    for table, columns in nullable_json.items():
+        for col in columns:  # JSON 'null' written before none_as_null becomes SQL NULL
+            conn.execute(sa.text(f"UPDATE {table} SET {col} = NULL WHERE CAST({col} AS TEXT) = 'null'"))
+
+
 MIGRATIONS: list[Migration] = [
     (1, "initial tables", _initial),
+    (2, "lease-order index; JSON null as SQL NULL", _queue_order_and_nulls),
 ]
 
 

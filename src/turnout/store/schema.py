@@ -8,6 +8,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 metadata = sa.MetaData()
+# Python None is SQL NULL (not the JSON text 'null'), so `IS NULL` finds tasks without overrides
+Json = sa.JSON(none_as_null=True)
 
 tasks = sa.Table(
     "tasks",
@@ -16,25 +18,25 @@ tasks = sa.Table(
     sa.Column("tenant", sa.String(64), nullable=False),
     sa.Column("capability", sa.String(64), nullable=False),
     sa.Column("state", sa.String(16), nullable=False),
-    sa.Column("input", sa.JSON),
-    sa.Column("output", sa.JSON),
-    sa.Column("error", sa.JSON),
+    sa.Column("input", Json),
+    sa.Column("output", Json),
+    sa.Column("error", Json),
     sa.Column("gpu_mode", sa.String(16), nullable=False),
     sa.Column("gpu_wait_s", sa.Float, nullable=False),
-    sa.Column("resources", sa.JSON),  # the task's own overrides, as given
+    sa.Column("resources", Json),  # the task's own overrides, as given
     sa.Column("priority", sa.Integer, nullable=False, default=0),
     sa.Column("timeout_s", sa.Float),
     sa.Column("placement_timeout_s", sa.Float, nullable=False),
     sa.Column("max_retries", sa.Integer, nullable=False),
     sa.Column("idempotency_key", sa.String(200)),
-    sa.Column("labels", sa.JSON),
+    sa.Column("labels", Json),
     sa.Column("attempts", sa.Integer, nullable=False, default=0),
     sa.Column("worker_id", sa.String(40)),
     sa.Column("device", sa.String(8)),
-    sa.Column("gpus", sa.JSON),
+    sa.Column("gpus", Json),
     sa.Column("gpu_model", sa.String(128)),
-    sa.Column("alloc", sa.JSON),  # resources held while leased/running: cpu, memory
-    sa.Column("routing", sa.JSON),
+    sa.Column("alloc", Json),  # resources held while leased/running: cpu, memory
+    sa.Column("routing", Json),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("queued_at", sa.Float),
     sa.Column("leased_at", sa.Float),
@@ -50,6 +52,9 @@ tasks = sa.Table(
     sa.Index("ux_tasks_idempotency", "tenant", "idempotency_key", unique=True),
 )
 
+# the lease order: served by an index, so a deep queue is not sorted on every lease
+queue_order = sa.Index("ix_tasks_queue_order", tasks.c.state, tasks.c.priority.desc(), tasks.c.created_at, tasks.c.id)
+
 workers = sa.Table(
     "workers",
     metadata,
@@ -57,16 +62,16 @@ workers = sa.Table(
     sa.Column("name", sa.String(128), nullable=False),
     sa.Column("host", sa.String(256), nullable=False),
     sa.Column("state", sa.String(16), nullable=False),
-    sa.Column("variants", sa.JSON, nullable=False),
+    sa.Column("variants", Json, nullable=False),
     sa.Column("cpu", sa.Float, nullable=False),
     sa.Column("memory_bytes", sa.BigInteger, nullable=False),
-    sa.Column("gpus", sa.JSON, nullable=False),
+    sa.Column("gpus", Json, nullable=False),
     sa.Column("strategy", sa.String(16), nullable=False),
     sa.Column("registered_at", sa.Float, nullable=False),
     sa.Column("last_heartbeat", sa.Float, nullable=False),
     sa.Column("heartbeat_s", sa.Float, nullable=False),
-    sa.Column("metrics", sa.JSON),
-    sa.Column("quarantined", sa.JSON),
+    sa.Column("metrics", Json),
+    sa.Column("quarantined", Json),
 )
 
 tokens = sa.Table(
@@ -86,7 +91,7 @@ events = sa.Table(
     sa.Column("task_id", sa.String(40), primary_key=True),
     sa.Column("seq", sa.Integer, primary_key=True),
     sa.Column("ts", sa.Float, nullable=False),
-    sa.Column("body", sa.JSON, nullable=False),
+    sa.Column("body", Json, nullable=False),
 )
 
 audit = sa.Table(
@@ -96,7 +101,7 @@ audit = sa.Table(
     sa.Column("ts", sa.Float, nullable=False),
     sa.Column("kind", sa.String(32), nullable=False),
     sa.Column("tenant", sa.String(64)),
-    sa.Column("body", sa.JSON, nullable=False),
+    sa.Column("body", Json, nullable=False),
 )
 
 schema_migrations = sa.Table(

@@ -9,6 +9,7 @@ and what lets several controllers share one PostgreSQL database.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from collections.abc import Iterable, Iterator, Sequence
@@ -131,7 +132,7 @@ class SqlStore:
 
     def get_task(self, task_id: str) -> Task | None:
         with self._read() as conn:
-            row = conn.execute(sa.select(T).where(T.c.id == task_id)).first()
+            row = conn.execute(_GET_TASK, {"id": task_id}).first()
         return _task(row) if row else None
 
     def get_tasks(self, task_ids: Iterable[str]) -> list[Task]:
@@ -139,7 +140,7 @@ class SqlStore:
         if not ids:
             return []
         with self._read() as conn:
-            return [_task(r) for r in conn.execute(sa.select(T).where(T.c.id.in_(ids)))]
+            return [_task(r) for r in conn.execute(_GET_TASKS, {"ids": ids})]
 
     def list_tasks(
         self,
@@ -169,18 +170,23 @@ class SqlStore:
 
         Reads `limit` rows first; a caller that reads past them gets more, up to `widen_to` in all.
         """
-        query = sa.select(T).where(T.c.state == TaskState.QUEUED.value).order_by(T.c.priority.desc(), T.c.created_at, T.c.id)
-        if capabilities is not None:
-            query = query.where(T.c.capability.in_(list(capabilities)))
+        if capabilities is None:
+            capabilities = [name for (name,) in self._capabilities_queued()]
+        caps = list(capabilities)
         with self._read() as conn:
-            rows = conn.execute(query.limit(limit)).all()
+            rows = conn.execute(_QUEUED, {"caps": caps, "limit": limit, "offset": 0}).all()
         yield from (_task(r) for r in rows)
         total = max(limit, widen_to or 0)
         if len(rows) < limit or total <= limit:
             return
         with self._read() as conn:
-            more = conn.execute(query.offset(limit).limit(total - limit)).all()
+            more = conn.execute(_QUEUED, {"caps": caps, "limit": total - limit, "offset": limit}).all()
         yield from (_task(r) for r in more)
+
+    def _capabilities_queued(self) -> list[Any]:
+        with self._read() as conn:
+            query = sa.select(T.c.capability).where(T.c.state == TaskState.QUEUED.value).distinct()
+            return list(conn.execute(query).all())
 
     def queued_kinds(self) -> list[tuple[str, str, str]]:
         """(capability, gpu mode, a task id) per kind of plain queued task: no overrides, never retried."""
@@ -223,11 +229,10 @@ class SqlStore:
         return failed
 
     def active_tasks(self, worker_ids: Iterable[str] | None = None) -> list[Task]:
-        query = sa.select(T).where(T.c.state.in_([TaskState.LEASED.value, TaskState.RUNNING.value]))
-        if worker_ids is not None:
-            query = query.where(T.c.worker_id.in_(list(worker_ids)))
         with self._read() as conn:
-            return [_task(r) for r in conn.execute(query)]
+            if worker_ids is None:
+                return [_task(r) for r in conn.execute(_ACTIVE_ALL)]
+            return [_task(r) for r in conn.execute(_ACTIVE_OF, {"workers": list(worker_ids)})]
 
     def queue_depths(self) -> dict[str, dict[str, int]]:
         """capability -> state -> count, over the non-terminal states."""
@@ -250,10 +255,12 @@ class SqlStore:
         done: list[str] = []
         with self._write() as conn:
             for task_id, states, attempts, values in changes:
-                query = T.update().where(T.c.id == task_id, T.c.state.in_([s.value for s in states]))
+                query = _task_update(tuple(s.value for s in states), attempts is not None, tuple(values))
+                params = {f"v_{k}": v for k, v in _encode(values).items()}
+                params["_id"] = task_id
                 if attempts is not None:
-                    query = query.where(T.c.attempts == attempts)
-                if conn.execute(query.values(**_encode(values))).rowcount:
+                    params["_attempts"] = attempts
+                if conn.execute(query, params).rowcount:
                     done.append(task_id)
         return done
 
@@ -267,15 +274,12 @@ class SqlStore:
 
     def get_worker(self, worker_id: str) -> Worker | None:
         with self._read() as conn:
-            row = conn.execute(sa.select(W).where(W.c.id == worker_id)).first()
+            row = conn.execute(_GET_WORKER, {"id": worker_id}).first()
         return _worker(row) if row else None
 
     def list_workers(self, *, include_gone: bool = False) -> list[Worker]:
-        query = sa.select(W).order_by(W.c.registered_at)
-        if not include_gone:
-            query = query.where(W.c.state != WorkerState.GONE.value)
         with self._read() as conn:
-            return [_worker(r) for r in conn.execute(query)]
+            return [_worker(r) for r in conn.execute(_ALL_WORKERS if include_gone else _LIVE_WORKERS)]
 
     def update_worker(self, worker_id: str, states: Sequence[WorkerState] | None = None, **values: Any) -> bool:
         query = W.update().where(W.c.id == worker_id)
@@ -365,6 +369,33 @@ class SqlStore:
             query = query.where(a.c.ts >= since)
         with self._read() as conn:
             return [dict(r._mapping) for r in conn.execute(query)]
+
+
+# Hot statements, built once: building SQLAlchemy expressions costs more than running them on SQLite.
+_GET_TASK = sa.select(T).where(T.c.id == sa.bindparam("id"))
+_GET_TASKS = sa.select(T).where(T.c.id.in_(sa.bindparam("ids", expanding=True)))
+_ACTIVE = (TaskState.LEASED.value, TaskState.RUNNING.value)
+_ACTIVE_ALL = sa.select(T).where(T.c.state.in_(_ACTIVE))
+_ACTIVE_OF = _ACTIVE_ALL.where(T.c.worker_id.in_(sa.bindparam("workers", expanding=True)))
+_QUEUED = (
+    sa.select(T)
+    .where(T.c.state == TaskState.QUEUED.value, T.c.capability.in_(sa.bindparam("caps", expanding=True)))
+    .order_by(T.c.priority.desc(), T.c.created_at, T.c.id)
+    .limit(sa.bindparam("limit"))
+    .offset(sa.bindparam("offset"))
+)
+_GET_WORKER = sa.select(W).where(W.c.id == sa.bindparam("id"))
+_LIVE_WORKERS = sa.select(W).where(W.c.state != WorkerState.GONE.value).order_by(W.c.registered_at)
+_ALL_WORKERS = sa.select(W).order_by(W.c.registered_at)
+
+
+@functools.lru_cache(maxsize=256)
+def _task_update(states: tuple[str, ...], with_attempts: bool, keys: tuple[str, ...]) -> sa.Update:
+    """UPDATE tasks SET <keys> WHERE id = :_id AND state IN <states> [AND attempts = :_attempts], built once per shape."""
+    query = T.update().where(T.c.id == sa.bindparam("_id"), T.c.state.in_(states))
+    if with_attempts:
+        query = query.where(T.c.attempts == sa.bindparam("_attempts"))
+    return query.values({k: sa.bindparam(f"v_{k}", type_=T.c[k].type) for k in keys})
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
