@@ -19,22 +19,11 @@ from typing import Any, TypeVar
 import httpx
 
 from turnout.config import DEFAULT_PORT
-from turnout.errors import (
-    Conflict,
-    Forbidden,
-    InvalidInput,
-    NotFound,
-    RateLimited,
-    TurnoutError,
-    Unauthorized,
-    Unavailable,
-)
+from turnout.errors import HTTP_STATUS, RateLimited, TurnoutError, Unavailable
 
 T = TypeVar("T")
 TERMINAL = {"succeeded", "failed", "cancelled"}
-_BY_STATUS: dict[int, type[TurnoutError]] = {
-    401: Unauthorized, 403: Forbidden, 404: NotFound, 409: Conflict, 422: InvalidInput, 503: Unavailable,
-}  # fmt: skip
+_BY_STATUS: dict[int, type[TurnoutError]] = {code: cls for cls, code in HTTP_STATUS.items()}
 
 
 def default_url() -> str:

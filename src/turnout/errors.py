@@ -60,3 +60,15 @@ class RateLimited(TurnoutError):
 
 class Unavailable(TurnoutError):
     type = "unavailable"
+
+
+# The one table from error classes to HTTP status codes: the API renders with it, the client reads it back.
+HTTP_STATUS: dict[type[TurnoutError], int] = {
+    InvalidInput: 422,
+    NotFound: 404,
+    Unauthorized: 401,
+    Forbidden: 403,
+    Conflict: 409,
+    RateLimited: 429,
+    Unavailable: 503,
+}

@@ -10,28 +10,11 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from turnout.api.schemas import field_of
-from turnout.errors import (
-    Conflict,
-    Forbidden,
-    InvalidInput,
-    NotFound,
-    RateLimited,
-    TurnoutError,
-    Unauthorized,
-    Unavailable,
-)
+from turnout.errors import HTTP_STATUS, InvalidInput, RateLimited, TurnoutError
 
 log = logging.getLogger("turnout.api")
 
-STATUS: dict[type[TurnoutError], int] = {
-    InvalidInput: 422,
-    NotFound: 404,
-    Unauthorized: 401,
-    Forbidden: 403,
-    Conflict: 409,
-    RateLimited: 429,
-    Unavailable: 503,
-}
+STATUS = HTTP_STATUS
 
 
 def error_response(exc: TurnoutError) -> JSONResponse:

@@ -354,7 +354,7 @@ class TurnoutPolicy(FgdPolicy):
         host: Host,
         grant: GpuGrant | None,
     ) -> float:
-        fgd = float(int(_sigmoid(self.gain(request, units, usage, host, grant)) * 100))
+        fgd = super().score(request, units, usage, host, grant)
         gpu_left = sum(_left_ppm(u, usage.get(u.uuid, _EMPTY)) for u in units) / PPM - _gpu_units_of(
             grant, units
         )
