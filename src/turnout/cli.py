@@ -333,7 +333,7 @@ def gpus(
 def simulate(
     nodes: Path = typer.Option(..., help="Nodes CSV (openb format)."),
     tasks_csv: Path = typer.Option(..., "--tasks", help="Tasks CSV (openb pod list format)."),
-    policy: str = typer.Option("turnout", help="Placement policy."),
+    policy: str = typer.Option("fgd", help="Placement policy: fgd (the controller's), bestfit or random."),
     seed: int = typer.Option(42),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:

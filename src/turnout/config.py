@@ -37,7 +37,7 @@ class ControllerSettings:
     reap_interval_s: float = 0.5
     lease_window: int = 200  # queued tasks looked at per lease request
     max_lease_wait_s: float = 30.0
-    placement_policy: str = "turnout"  # which GPU worker a task goes to: turnout, fgd, bestfit, random
+    placement_policy: str = "fgd"  # which GPU worker a task goes to: fgd, bestfit, random
     prices: Prices = field(default_factory=Prices)
     raw_config: dict[str, Any] = field(default_factory=dict)
 

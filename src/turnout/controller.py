@@ -27,7 +27,7 @@ from turnout.gpu.allocation import (
     usage_from_grants,
 )
 from turnout.gpu.devices import GpuDevice, GpuUnit, MigDevice, units_of
-from turnout.gpu.policies import Host, PlacementIndex, make_policy
+from turnout.gpu.policies import Host, PlacementIndex, make_policy, typical_mix
 from turnout.models import (
     ACTIVE_STATES,
     Completion,
@@ -258,7 +258,7 @@ class Controller:
             if decision is None:
                 continue
             if decision.device is Device.GPU and gpu_res is not None:
-                placement = placement or _Fleet(self, workers, worker_id)
+                placement = placement or _Fleet(self, workers)
                 placement.update(worker_id, room)
                 best = placement.best(gpu_res, task)
                 if best not in (None, worker_id) and now - (task.queued_at or task.created_at) < PLACEMENT_SETTLE_S:
@@ -513,30 +513,42 @@ class _Fleet:
     """Every healthy GPU worker's free room, scored by the placement policy (the one `turnout simulate` replays).
 
     A worker asking for work takes a GPU task only when it is the policy's best choice among workers that
-    could host the task now, so GPU tasks pack across the fleet, not merely within whichever worker asked first.
+    could host the task now, so GPU tasks pack across the fleet, not merely within whichever worker asked
+    first. FGD weighs fragmentation against the workload's typical tasks: here, the GPU tasks running now
+    plus the one being placed.
     """
 
-    def __init__(self, controller: Controller, workers: Sequence[Worker], asking: str) -> None:
+    def __init__(self, controller: Controller, workers: Sequence[Worker]) -> None:
         self.controller = controller
-        self.index = PlacementIndex(make_policy(controller.settings.placement_policy))
         gpu_workers = [w for w in workers if w.gpus and any(v.device is Device.GPU for v in w.variants)]
         active: dict[str, list[Task]] = {w.id: [] for w in gpu_workers}
         for t in controller.store.active_tasks(list(active)):
             active.setdefault(t.worker_id or "", []).append(t)
-        self.workers = {w.id: w for w in gpu_workers}
+        self.rooms = {w.id: controller._room(w, active[w.id]) for w in gpu_workers}
+        self.running: list[GpuRequest] = []
         for w in gpu_workers:
-            self.update(w.id, controller._room(w, active[w.id]))
+            for t in active[w.id]:
+                res = _needs(w.offers(t.spec.capability).get(Device.GPU), t) if t.device is Device.GPU else None
+                if res is not None:
+                    self.running.append(GpuRequest.from_resources(res, _workload(t)))
+        self.index: PlacementIndex | None = None
 
     def update(self, worker_id: str, room: _Room) -> None:
-        if worker_id in self.workers:
-            self.index.upsert(worker_id, room.units, room.usage, Host(room.cpu, room.memory_bytes))
+        if worker_id in self.rooms:
+            self.rooms[worker_id] = room
+            if self.index is not None:
+                self.index.upsert(worker_id, room.units, room.usage, Host(room.cpu, room.memory_bytes))
 
     def best(self, res: Resources, task: Task) -> str | None:
         """The worker the policy picks for this task now (None: none can host it now)."""
-        request = GpuRequest.from_resources(res, _workload(task))
-        avoid = (task.routing or {}).get("avoid_gpus")
-        if avoid:
+        if (task.routing or {}).get("avoid_gpus"):
             return None  # an OOM retry goes wherever it fits; the policy does not know about avoided GPUs
+        request = GpuRequest.from_resources(res, _workload(task))
+        if self.index is None:
+            policy = make_policy(self.controller.settings.placement_policy, mix=typical_mix([*self.running, request]))
+            self.index = PlacementIndex(policy)
+            for worker_id, room in self.rooms.items():
+                self.index.upsert(worker_id, room.units, room.usage, Host(room.cpu, room.memory_bytes))
         choice = self.index.choose(request)
         return str(choice[0]) if choice else None
 

@@ -9,8 +9,8 @@ Policies score one node for one request (higher is better; None = cannot host it
 * `bestfit`: the node left with the least CPU and GPU after placement (paper's BestFit, integer score).
 * `fgd`: Fragmentation Gradient Descent (Weng et al., ATC'23), faithful to the authors' simulator: the node
   whose expected GPU fragmentation, measured against the workload's typical tasks, grows least.
-* `turnout`: FGD's fragmentation gradient without its integer rounding, a best-fit tie-break, and a
-  penalty for breaking a fully free GPU for a share; see `TurnoutPolicy`.
+Turnout places with `fgd` by default. Two tie-break variants (best fit; keeping models that model-pinned
+tasks need) both lost to FGD's own first-in-random-order rule on the openb trace, so they are not kept.
 
 Scores depend only on a node's *state* (its units' shapes and usage, its free CPU and memory), never on
 names, so `PlacementIndex` scores each distinct state once per request shape and reuses the answer for every
@@ -335,35 +335,7 @@ class FgdPolicy(_Base):
         return best
 
 
-class TurnoutPolicy(FgdPolicy):
-    """Turnout's default: FGD's score first, then best fit instead of an arbitrary node on ties.
-
-    FGD's integer sigmoid score maps most gains to a handful of values, so many nodes tie and the paper's
-    scheduler hands the task to whichever comes first in its (random) node order. Breaking those ties by
-    best fit (least GPU, then CPU, left after placement) keeps big empty nodes whole for the multi-GPU
-    tasks that arrive later, at no extra cost: both terms come from one evaluation.
-    """
-
-    name = "turnout"
-
-    def score(
-        self,
-        request: GpuRequest,
-        units: Sequence[GpuUnit],
-        usage: Mapping[str, UnitUsage],
-        host: Host,
-        grant: GpuGrant | None,
-    ) -> float:
-        fgd = super().score(request, units, usage, host, grant)
-        gpu_left = sum(_left_ppm(u, usage.get(u.uuid, _EMPTY)) for u in units) / PPM - _gpu_units_of(
-            grant, units
-        )
-        cpu_left = host.cpu_free - request.cpu if math.isfinite(host.cpu_free) else 0.0
-        # best fit in [0, 1): never outweighs one point of FGD
-        return fgd + 0.5 / (1.0 + gpu_left + cpu_left / _CPU_SCALE * _GPU_SCALE * 0.01)
-
-
-POLICY_NAMES = ("random", "bestfit", "fgd", "turnout")
+POLICY_NAMES = ("random", "bestfit", "fgd")
 
 
 def make_policy(name: str, *, mix: Typicals = (), rng: random.Random | None = None) -> Policy:
@@ -374,8 +346,6 @@ def make_policy(name: str, *, mix: Typicals = (), rng: random.Random | None = No
         return BestFitPolicy()
     if name == "fgd":
         return FgdPolicy(mix)
-    if name == "turnout":
-        return TurnoutPolicy(mix)
     raise InvalidInput(f"policy: unknown {name!r} (known: {', '.join(POLICY_NAMES)})", field="policy")
 
 

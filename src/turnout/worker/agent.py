@@ -33,6 +33,7 @@ from turnout.worker.processes import Outcome, ProcessPool, ProtocolProcess
 from turnout.worker.visibility import gpu_env
 
 log = logging.getLogger("turnout.worker")
+PROCESS_FAULTS = frozenset({"timeout", "process_exited", "setup_failed", "gpu_memory_exceeded"})
 
 
 @dataclass(frozen=True)
@@ -272,7 +273,8 @@ class Agent:
                                                        int(grant.get("memory_bytes", 0)))  # fmt: skip
                 try:
                     outcome = await proc.run(runnable.task_line(lease), sink, lease.get("timeout_s"))
-                    reusable = outcome.error is None or outcome.error.get("type") == "handler_error"
+                    # a failure the program reported itself leaves it warm; a timeout or a crash does not
+                    reusable = proc.alive and (outcome.error or {}).get("type") not in PROCESS_FAULTS
                 finally:
                     self._shared.pop(task_id, None)
                     runnable.pool.release(proc, key, reusable)
