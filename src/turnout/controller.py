@@ -11,23 +11,17 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from turnout import placement
 from turnout.config import ControllerSettings
-from turnout.errors import Conflict, InvalidInput, NotFound
+from turnout.errors import Conflict, NotFound
 from turnout.gpu.allocation import (
     GpuGrant,
-    GpuRequest,
-    Strategy,
     add_grant,
-    allocate,
-    fits_ever,
-    usage_from_grants,
 )
-from turnout.gpu.devices import GpuDevice, GpuUnit, MigDevice, units_of
-from turnout.gpu.policies import Host, PlacementIndex, make_policy, typical_mix
 from turnout.models import (
     ACTIVE_STATES,
     Completion,
@@ -40,7 +34,6 @@ from turnout.models import (
     Worker,
     WorkerState,
 )
-from turnout.resources import Resources
 from turnout.routing import ClusterView, Route, WorkerOffer, route, servable
 from turnout.store import SqlStore
 
@@ -60,29 +53,10 @@ def new_id(prefix: str) -> str:
     return f"{prefix}{int(time.time() * 1000):012x}{secrets.token_hex(6)}"
 
 
-@dataclass
-class _Room:
-    """What a worker has free while one lease request is being filled."""
-
-    cpu: float
-    memory_bytes: int
-    units: list[GpuUnit]
-    usage: dict[str, Any]
-    strategy: Strategy
-
-
 @dataclass(frozen=True)
 class LeaseResult:
     leases: list[Lease] = field(default_factory=list)
     cancel: list[str] = field(default_factory=list)  # task ids the worker must stop
-
-
-def devices_from_dicts(gpus: Iterable[dict[str, Any]]) -> list[GpuDevice]:
-    out = []
-    for g in gpus:
-        migs = tuple(MigDevice(**m) for m in g.get("mig_devices") or ())
-        out.append(GpuDevice(**{**g, "mig_devices": migs}))
-    return out
 
 
 class Controller:
@@ -226,7 +200,7 @@ class Controller:
             )
         if worker.state is not WorkerState.HEALTHY or max_tasks <= 0:
             return LeaseResult([], cancel)
-        room = self._room(worker, list(mine.values()))
+        room = placement.room_of(worker, list(mine.values()))
         smallest = min((v.resources.cpu for v in worker.variants), default=0.0)
         if room.cpu + 1e-9 < smallest:
             return LeaseResult([], cancel)  # full: nothing it offers could fit now
@@ -235,7 +209,7 @@ class Controller:
         leases: list[Lease] = []
         updates = []
         cluster_cache: dict[tuple[str, str, str], ClusterView] = {}
-        placement: _Fleet | None = None  # built on the first GPU candidate only
+        fleet_view: placement.Fleet | None = None  # built on the first GPU candidate only
         # look a little past what fits (not the whole window) unless the head of the queue is not for us
         slots = min(max_tasks, int((room.cpu + 1e-9) / smallest) if smallest > 0 else max_tasks)
         window = min(self.settings.lease_window, max(16, 4 * slots))
@@ -243,24 +217,24 @@ class Controller:
             if len(leases) >= max_tasks or room.cpu + 1e-9 < smallest:
                 break
             offered = worker.offers(task.spec.capability)
-            cpu_res = _needs(offered.get(Device.CPU), task)
-            gpu_res = _needs(offered.get(Device.GPU), task)
-            grant = self._try_gpu(room, gpu_res, task) if gpu_res else None
+            cpu_res = placement.needs(offered.get(Device.CPU), task)
+            gpu_res = placement.needs(offered.get(Device.GPU), task)
+            grant = placement.try_gpu(room, gpu_res, task) if gpu_res else None
             offer = WorkerOffer(
                 cpu_variant=cpu_res is not None, gpu_variant=gpu_res is not None,
-                cpu_fits=cpu_res is not None and _fits(room, cpu_res), gpu_fits=grant is not None,
+                cpu_fits=cpu_res is not None and placement.fits(room, cpu_res), gpu_fits=grant is not None,
             )  # fmt: skip
-            key = _view_key(task)
+            key = placement.view_key(task)
             if key not in cluster_cache:
-                cluster_cache[key] = self._cluster_view(workers, task)
+                cluster_cache[key] = placement.cluster_view(workers, task)
             decision = route(task.spec.gpu, now - (task.queued_at or task.created_at), task.spec.gpu_wait_s,
                              offer, cluster_cache[key])  # fmt: skip
             if decision is None:
                 continue
             if decision.device is Device.GPU and gpu_res is not None:
-                placement = placement or _Fleet(self, workers)
-                placement.update(worker_id, room)
-                best = placement.best(gpu_res, task)
+                fleet_view = fleet_view or self._fleet_view(workers)
+                fleet_view.update(worker_id, room)
+                best = fleet_view.best(gpu_res, task)
                 if best not in (None, worker_id) and now - (task.queued_at or task.created_at) < PLACEMENT_SETTLE_S:
                     continue  # another worker fits it better: leave it to that worker for a moment
             last_error = (task.routing or {}).get("last_error") or {}
@@ -274,10 +248,10 @@ class Controller:
             grant_dict = None
             alloc: dict[str, Any] = {"cpu": res.cpu, "memory": res.memory_bytes}
             if decision.device is Device.GPU and grant is not None:
-                room.usage = add_grant(room.usage, grant, _workload(task))
+                room.usage = add_grant(room.usage, grant, placement.workload(task))
                 grant_dict = {**grant.to_dict(),
                               "unit_memory_bytes": min(u.memory_bytes for u in room.units if u.uuid in grant.uuids)}
-                alloc["gpu_share"] = _gpu_share(grant, room.units)
+                alloc["gpu_share"] = placement.gpu_share(grant, room.units)
             kept = {k: v for k, v in (task.routing or {}).items() if k in ("avoid_gpus", "last_error")}
             routing = {**kept, "requested": task.spec.gpu.value, "device": decision.device.value, "reason": decision.reason}
             values = {
@@ -310,32 +284,12 @@ class Controller:
                 out.append(t.id)
         return out
 
-    def _room(self, worker: Worker, active: Sequence[Task]) -> _Room:
-        units = units_of(devices_from_dicts(worker.gpus), frozenset(worker.quarantined))
-        grants = [(GpuGrant.from_dict(t.gpus), _workload(t)) for t in active if t.gpus]
-        cpu = worker.cpu - sum(float((t.alloc or {}).get("cpu", 0)) for t in active)
-        memory = worker.memory_bytes - sum(int((t.alloc or {}).get("memory", 0)) for t in active)
-        return _Room(cpu, memory, units, usage_from_grants(grants), _strategy(worker.strategy))
-
-    def _try_gpu(self, room: _Room, res: Resources, task: Task) -> GpuGrant | None:
-        if not _fits(room, res) or not room.units:
-            return None
-        return allocate(GpuRequest.from_resources(res, _workload(task)), _usable(room.units, task), room.usage,
-                        room.strategy)  # fmt: skip
-
-    def _cluster_view(self, workers: Sequence[Worker], task: Task) -> ClusterView:
-        gpu_possible = cpu_possible = False
-        for w in workers:
-            offered = w.offers(task.spec.capability)
-            cpu_res = _needs(offered.get(Device.CPU), task)
-            gpu_res = _needs(offered.get(Device.GPU), task)
-            if cpu_res and cpu_res.cpu <= w.cpu and cpu_res.memory_bytes <= w.memory_bytes:
-                cpu_possible = True
-            if gpu_res and gpu_res.cpu <= w.cpu and gpu_res.memory_bytes <= w.memory_bytes:
-                units = _usable(units_of(devices_from_dicts(w.gpus), frozenset(w.quarantined)), task)
-                if fits_ever(GpuRequest.from_resources(gpu_res, _workload(task)), units):
-                    gpu_possible = True
-        return ClusterView(gpu_possible=gpu_possible, cpu_possible=cpu_possible)
+    def _fleet_view(self, workers: Sequence[Worker]) -> placement.Fleet:
+        gpu_workers = [w for w in workers if w.gpus and any(v.device is Device.GPU for v in w.variants)]
+        active: dict[str, list[Task]] = {}
+        for t in self.store.active_tasks([w.id for w in gpu_workers]):
+            active.setdefault(t.worker_id or "", []).append(t)
+        return placement.Fleet(self.settings.placement_policy, gpu_workers, active)
 
     # ---- results -----------------------------------------------------------------------------
 
@@ -460,11 +414,11 @@ class Controller:
             sample = self.store.get_task(sample_id)
             if sample is None:
                 continue
-            ok = servable(sample.spec.gpu, self._cluster_view(healthy, sample))
+            ok = servable(sample.spec.gpu, placement.cluster_view(healthy, sample))
             failed += self.store.mark_servable(capability, mode, ok, now, _no_capacity(sample))
         updates: list[Change] = []
         for t in self.store.queued_unusual():
-            ok = servable(t.spec.gpu, self._cluster_view(healthy, t))
+            ok = servable(t.spec.gpu, placement.cluster_view(healthy, t))
             since = t.unservable_since
             if ok and since is not None:
                 updates.append((t.id, (TaskState.QUEUED,), t.attempts, {"unservable_since": None}))
@@ -509,95 +463,9 @@ class Controller:
                                                       "start": task.leased_at, "end": now})  # fmt: skip
 
 
-class _Fleet:
-    """Every healthy GPU worker's free room, scored by the placement policy (the one `turnout simulate` replays).
-
-    A worker asking for work takes a GPU task only when it is the policy's best choice among workers that
-    could host the task now, so GPU tasks pack across the fleet, not merely within whichever worker asked
-    first. FGD weighs fragmentation against the workload's typical tasks: here, the GPU tasks running now
-    plus the one being placed.
-    """
-
-    def __init__(self, controller: Controller, workers: Sequence[Worker]) -> None:
-        self.controller = controller
-        gpu_workers = [w for w in workers if w.gpus and any(v.device is Device.GPU for v in w.variants)]
-        active: dict[str, list[Task]] = {w.id: [] for w in gpu_workers}
-        for t in controller.store.active_tasks(list(active)):
-            active.setdefault(t.worker_id or "", []).append(t)
-        self.rooms = {w.id: controller._room(w, active[w.id]) for w in gpu_workers}
-        self.running: list[GpuRequest] = []
-        for w in gpu_workers:
-            for t in active[w.id]:
-                res = _needs(w.offers(t.spec.capability).get(Device.GPU), t) if t.device is Device.GPU else None
-                if res is not None:
-                    self.running.append(GpuRequest.from_resources(res, _workload(t)))
-        self.index: PlacementIndex | None = None
-
-    def update(self, worker_id: str, room: _Room) -> None:
-        if worker_id in self.rooms:
-            self.rooms[worker_id] = room
-            if self.index is not None:
-                self.index.upsert(worker_id, room.units, room.usage, Host(room.cpu, room.memory_bytes))
-
-    def best(self, res: Resources, task: Task) -> str | None:
-        """The worker the policy picks for this task now (None: none can host it now)."""
-        if (task.routing or {}).get("avoid_gpus"):
-            return None  # an OOM retry goes wherever it fits; the policy does not know about avoided GPUs
-        request = GpuRequest.from_resources(res, _workload(task))
-        if self.index is None:
-            policy = make_policy(self.controller.settings.placement_policy, mix=typical_mix([*self.running, request]))
-            self.index = PlacementIndex(policy)
-            for worker_id, room in self.rooms.items():
-                self.index.upsert(worker_id, room.units, room.usage, Host(room.cpu, room.memory_bytes))
-        choice = self.index.choose(request)
-        return str(choice[0]) if choice else None
-
-
-def _needs(variant: Variant | None, task: Task) -> Resources | None:
-    """The variant's requirement with the task's own overrides; None if the worker lacks the variant."""
-    if variant is None:
-        return None
-    res = variant.resources.merged(task.spec.resources, task.spec.resource_keys)
-    if variant.device is Device.CPU and res.wants_gpu:
-        res = replace(res, gpu=0, gpu_memory_bytes=None, gpu_models=(), min_compute_capability=None)
-    return res
-
-
 def _no_capacity(task: Task) -> dict[str, Any]:
     return {"type": "no_capacity",
             "message": f"no live worker offers a variant of {task.spec.capability!r} that gpu={task.spec.gpu.value} "
                        "allows and that fits, for the task's whole placement_timeout_s"}  # fmt: skip
 
 
-def _view_key(task: Task) -> tuple[str, str, str]:
-    """Tasks with equal keys get the same ClusterView: same capability, overrides and avoided GPUs."""
-    return (task.spec.capability, repr(task.spec.resources), ",".join((task.routing or {}).get("avoid_gpus", ())))
-
-
-def _usable(units: Sequence[GpuUnit], task: Task) -> Sequence[GpuUnit]:
-    """Units this task may use: not the GPUs it already ran out of memory on."""
-    avoid = set((task.routing or {}).get("avoid_gpus", ()))
-    return [u for u in units if u.uuid not in avoid and u.parent_uuid not in avoid] if avoid else units
-
-
-def _fits(room: _Room, res: Resources) -> bool:
-    return res.cpu <= room.cpu + 1e-9 and res.memory_bytes <= room.memory_bytes
-
-
-def _workload(task: Task) -> str | None:
-    return task.spec.labels.get("workload") if task.spec.labels else None
-
-
-def _strategy(name: str) -> Strategy:
-    try:
-        return Strategy(name)
-    except ValueError:
-        raise InvalidInput(f"strategy: {name!r} is not pack or spread", field="strategy") from None
-
-
-def _gpu_share(grant: GpuGrant, units: Sequence[GpuUnit]) -> float:
-    """How many GPUs' worth a grant holds: whole units count 1 each, a shared one its memory fraction."""
-    if grant.exclusive:
-        return float(len(grant.uuids))
-    total = sum(u.memory_bytes for u in units if u.uuid in grant.uuids)
-    return grant.memory_bytes / total if total else 1.0

@@ -292,7 +292,7 @@ class ProcessPool:
     async def reap_idle(self) -> None:
         now = time.monotonic()
         total = sum(len(v) for v in self.idle.values()) + len(self.busy)
-        for key, stack in self.idle.items():
+        for stack in list(self.idle.values()):  # a close below awaits: the dict may change meanwhile
             for proc in list(stack):
                 if not proc.alive:
                     stack.remove(proc)
@@ -301,7 +301,6 @@ class ProcessPool:
                     stack.remove(proc)
                     total -= 1
                     await proc.close()
-            del key
 
     def pids(self) -> list[int]:
         procs = [*self.busy, *(p for v in self.idle.values() for p in v)]
