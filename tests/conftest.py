@@ -69,7 +69,7 @@ class Cluster:
     port: int = field(default_factory=free_port)
     token: str = ""
     controller: subprocess.Popen[bytes] | None = None
-    heartbeat_s: float = 0.5
+    heartbeat_s: float = 1.0  # fast enough to see a lost worker quickly, slow enough not to miss one under load
     extra_args: list[str] = field(default_factory=list)
 
     @property
@@ -107,9 +107,10 @@ class Cluster:
         self.controller.wait(timeout=10)
 
     def start_worker(self, *apps: str, gpus: str = "none", name: str = "w", extra: list[str] | None = None,
-                     wait: bool = True) -> subprocess.Popen[bytes]:  # fmt: skip
+                     wait: bool = True, heartbeat_s: float | None = None) -> subprocess.Popen[bytes]:  # fmt: skip
+        beat = heartbeat_s or self.heartbeat_s
         argv = [sys.executable, "-m", "turnout.cli", "worker", *apps, "--controller", self.url, "--gpus", gpus,
-                "--name", name, "--heartbeat-s", str(self.heartbeat_s), *(extra or [])]  # fmt: skip
+                "--name", name, "--heartbeat-s", str(beat), *(extra or [])]  # fmt: skip
         proc = self.procs.start(argv, self.env, self.tmp / f"worker-{name}.log")
         if wait:
             self.wait_for_worker(name)
