@@ -11,13 +11,12 @@ import signal
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, Cluster, Processes, pid_alive
+from tests.conftest import REPO, Cluster, pid_alive
 from turnout.client import Client
 from turnout.worker.docker import engine_answers
 
@@ -106,17 +105,10 @@ def start_preset_worker(cluster: Cluster, name: str = "cmd") -> Any:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def served(shared_cluster: Cluster) -> Cluster:
     """One controller and one preset worker for the whole module: starting them is most of a test's time."""
-    tmp = tmp_path_factory.mktemp("command-workers")
-    procs = Processes()
-    try:
-        cluster = Cluster(tmp, procs, f"sqlite:///{tmp / 'turnout.db'}")
-        cluster.start_controller()
-        start_preset_worker(cluster)
-        yield cluster
-    finally:
-        procs.stop_all()
+    start_preset_worker(shared_cluster)
+    return shared_cluster
 
 
 def events_of(cluster: Cluster, task_id: str) -> list[dict[str, Any]]:

@@ -8,13 +8,12 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.conftest import Cluster, Processes
+from tests.conftest import Cluster
 from tests.integration.test_command_workers import start_preset_worker
 from turnout.client import AsyncClient, Client
 
@@ -22,17 +21,10 @@ WORDS = " ".join(f"w{i}" for i in range(1000))
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def served(shared_cluster: Cluster) -> Cluster:
     """A controller and a worker serving the loading worker (session mode) for the whole module."""
-    tmp = tmp_path_factory.mktemp("events-stream")
-    procs = Processes()
-    try:
-        cluster = Cluster(tmp, procs, f"sqlite:///{tmp / 'turnout.db'}")
-        cluster.start_controller()
-        start_preset_worker(cluster)
-        yield cluster
-    finally:
-        procs.stop_all()
+    start_preset_worker(shared_cluster)
+    return shared_cluster
 
 
 def test_a_client_reads_1000_deltas_live_and_in_order(served: Cluster) -> None:
