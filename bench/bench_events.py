@@ -110,7 +110,9 @@ def _latency(client: Client, n: int, gap_s: float) -> dict[str, Any]:
             "p95_ms": round(delays[int(len(delays) * 0.95) - 1], 2), "max_ms": round(delays[-1], 2)}  # fmt: skip
 
 
-def run(quick: bool = False, flood_events: int = 100_000, drip_events: int = 300, gap_s: float = 0.01) -> dict[str, Any]:
+def run(
+    quick: bool = False, flood_events: int = 100_000, drip_events: int = 300, gap_s: float = 0.01
+) -> dict[str, Any]:
     """Start a controller and a worker, measure, and stop both whatever happens."""
     if quick:
         flood_events, drip_events = 20_000, 100
@@ -141,8 +143,17 @@ def run(quick: bool = False, flood_events: int = 100_000, drip_events: int = 300
         return {
             "benchmark": "events",
             "host": {"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 1)},
-            "throughput": {**throughput, "aim": AIM_EVENTS_PER_S, "met": throughput["events_per_s"] >= AIM_EVENTS_PER_S},
-            "latency": {**latency, "gap_s": gap_s, "aim_p50_ms": AIM_P50_MS, "met": latency["p50_ms"] < AIM_P50_MS},
+            "throughput": {
+                **throughput,
+                "aim": AIM_EVENTS_PER_S,
+                "met": throughput["events_per_s"] >= AIM_EVENTS_PER_S,
+            },
+            "latency": {
+                **latency,
+                "gap_s": gap_s,
+                "aim_p50_ms": AIM_P50_MS,
+                "met": latency["p50_ms"] < AIM_P50_MS,
+            },
         }
     finally:
         for proc in procs:

@@ -69,7 +69,9 @@ class Cluster:
     port: int = field(default_factory=free_port)
     token: str = ""
     controller: subprocess.Popen[bytes] | None = None
-    heartbeat_s: float = 1.0  # fast enough to see a lost worker quickly, slow enough not to miss one under load
+    heartbeat_s: float = (
+        1.0  # fast enough to see a lost worker quickly, slow enough not to miss one under load
+    )
     extra_args: list[str] = field(default_factory=list)
 
     @property
@@ -123,7 +125,11 @@ class Cluster:
                 if w["name"] == name and w["state"] == "healthy":
                     return w
             time.sleep(0.05)
-        logs = (self.tmp / f"worker-{name}.log").read_text() if (self.tmp / f"worker-{name}.log").exists() else ""
+        logs = (
+            (self.tmp / f"worker-{name}.log").read_text()
+            if (self.tmp / f"worker-{name}.log").exists()
+            else ""
+        )
         raise RuntimeError(f"worker {name} did not register: {logs[-3000:]}")
 
     def api(self, method: str, path: str, **kwargs: object) -> httpx.Response:

@@ -54,7 +54,9 @@ class TokenBook:
         try:
             parsed = Role(role)
         except ValueError:
-            raise InvalidInput(f"role: {role!r} is not one of admin, submit, worker, read", field="role") from None
+            raise InvalidInput(
+                f"role: {role!r} is not one of admin, submit, worker, read", field="role"
+            ) from None
         if not tenant or len(tenant) > 64 or not tenant.replace("-", "").replace("_", "").isalnum():
             raise InvalidInput(f"tenant: {tenant!r} must be 1-64 letters, digits, - or _", field="tenant")
         token = TOKEN_PREFIX + secrets.token_urlsafe(32)

@@ -20,7 +20,11 @@ from rich.table import Table
 from turnout.config import DEFAULT_PORT
 from turnout.errors import InvalidInput, TurnoutError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Send every ML and data task to the hardware that suits it.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Send every ML and data task to the hardware that suits it.",
+)
 token_app = typer.Typer(no_args_is_help=True, help="Make and revoke API tokens (admin).")
 app.add_typer(token_app, name="token")
 out = Console()
@@ -55,7 +59,9 @@ def up(
     port: int = typer.Option(DEFAULT_PORT, help="Port to listen on."),
     home: Path | None = typer.Option(None, help="State directory (default $TURNOUT_HOME or ~/.turnout)."),
     gpus: str = typer.Option("auto", help="GPUs of the local worker: auto, none, 0,2 or fake:SPEC."),
-    app_ref: list[str] = typer.Option([], "--app", help="MODULE:APP served by the local worker (default: the demo app)."),
+    app_ref: list[str] = typer.Option(
+        [], "--app", help="MODULE:APP served by the local worker (default: the demo app)."
+    ),
     presets: Path | None = typer.Option(None, help="Model presets file served by the local worker."),
     config: Path | None = typer.Option(None, help="turnout.yaml: prices, pipelines, limits, escalation."),
     no_auth: bool = typer.Option(False, "--no-auth", help="No tokens (loopback only)."),
@@ -71,7 +77,9 @@ def up(
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     out.print(f"[bold]Turnout[/bold] controller at {url}  (state in {state})")
     if parts.admin_token:
-        out.print(f"admin token: {parts.admin_token}\n  (saved to {state / 'admin.token'}; the CLI and SDK find it there)")
+        out.print(
+            f"admin token: {parts.admin_token}\n  (saved to {state / 'admin.token'}; the CLI and SDK find it there)"
+        )
     worker_cmd = [sys.executable, "-m", "turnout.cli", "worker", *(app_ref or ["turnout.demo:app"]), "--controller", url,
                   "--gpus", gpus, "--name", "local"]  # fmt: skip
     if presets:
@@ -84,7 +92,9 @@ def up(
     def start_worker() -> None:
         if wait_healthy(url):
             worker["p"] = subprocess.Popen(worker_cmd, env=env)
-            out.print(f"local worker started (gpus={gpus}); try:  turnout submit shout --input '{{\"text\": \"hi\"}}' --wait")
+            out.print(
+                f'local worker started (gpus={gpus}); try:  turnout submit shout --input \'{{"text": "hi"}}\' --wait'
+            )
 
     threading.Thread(target=start_worker, daemon=True).start()
     try:
@@ -100,7 +110,9 @@ def up(
 
 @app.command()
 def controller(
-    db: str | None = typer.Option(None, help="sqlite:///PATH or postgresql://... (default $TURNOUT_DB or $TURNOUT_HOME/turnout.db)."),
+    db: str | None = typer.Option(
+        None, help="sqlite:///PATH or postgresql://... (default $TURNOUT_DB or $TURNOUT_HOME/turnout.db)."
+    ),
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(DEFAULT_PORT),
     home: Path | None = typer.Option(None),
@@ -130,17 +142,29 @@ def controller(
 @app.command()
 def worker(
     apps: list[str] = typer.Argument(None, help="MODULE:APP, one or more."),
-    controller_url: str | None = typer.Option(None, "--controller", help="Controller URL (default $TURNOUT_URL)."),
-    token: str | None = typer.Option(None, help="Worker or admin token (default $TURNOUT_TOKEN or admin.token)."),
-    presets: Path | None = typer.Option(None, help="Model presets file: each model is served as a capability."),
-    models_dir: Path | None = typer.Option(None, help="Where presets' models live (MODEL_PATH; default ~/.turnout/models)."),
+    controller_url: str | None = typer.Option(
+        None, "--controller", help="Controller URL (default $TURNOUT_URL)."
+    ),
+    token: str | None = typer.Option(
+        None, help="Worker or admin token (default $TURNOUT_TOKEN or admin.token)."
+    ),
+    presets: Path | None = typer.Option(
+        None, help="Model presets file: each model is served as a capability."
+    ),
+    models_dir: Path | None = typer.Option(
+        None, help="Where presets' models live (MODEL_PATH; default ~/.turnout/models)."
+    ),
     gpus: str = typer.Option("auto", help="auto, none, 0,2 or fake:SPEC."),
     name: str | None = typer.Option(None, help="Worker name (default: host name)."),
     strategy: str = typer.Option("pack", help="GPU placement on this worker: pack or spread."),
     cpus: float | None = typer.Option(None, help="Cores to offer (default: all)."),
     heartbeat_s: float = typer.Option(5.0, help="Heartbeat period."),
-    canary: str | None = typer.Option(None, help="Command that must exit 0 before a quarantined GPU is used again."),
-    canary_backoff_s: float = typer.Option(30.0, help="Wait before a quarantined GPU's first canary (doubles on failure)."),
+    canary: str | None = typer.Option(
+        None, help="Command that must exit 0 before a quarantined GPU is used again."
+    ),
+    canary_backoff_s: float = typer.Option(
+        30.0, help="Wait before a quarantined GPU's first canary (doubles on failure)."
+    ),
     verbose: bool = typer.Option(False, "-v", "--verbose"),
 ) -> None:
     """A worker: serves the given apps (and presets) with the GPUs it finds."""
@@ -318,7 +342,19 @@ def gpus(
         for name, why in found.tried:
             out.print(f"  {name}: {why}")
         return
-    table = Table("index", "name", "uuid", "memory", "cc", "driver", "cuda", "mig", "util", "temp", title=f"GPUs ({found.provider.name})")
+    table = Table(
+        "index",
+        "name",
+        "uuid",
+        "memory",
+        "cc",
+        "driver",
+        "cuda",
+        "mig",
+        "util",
+        "temp",
+        title=f"GPUs ({found.provider.name})",
+    )
     for d in found.devices:
         m = metrics.get(d.uuid)
         mig = ", ".join(x.profile for x in d.mig_devices) if d.mig_mode else "off"
@@ -344,7 +380,10 @@ def simulate(
 
 
 @token_app.command("create")
-def token_create(role: str = typer.Option(..., help="admin, submit, worker or read."), tenant: str = typer.Option("default")) -> None:
+def token_create(
+    role: str = typer.Option(..., help="admin, submit, worker or read."),
+    tenant: str = typer.Option("default"),
+) -> None:
     """Make a token (shown once)."""
     with _client() as client:
         body = client.request("POST", "/v1/tokens", json={"role": role, "tenant": tenant})
@@ -359,7 +398,10 @@ def token_revoke(token_id: str) -> None:
 
 
 @app.command()
-def audit(since: str | None = typer.Option(None), jsonl: bool = typer.Option(False, "--jsonl", help="One JSON record per line.")) -> None:
+def audit(
+    since: str | None = typer.Option(None),
+    jsonl: bool = typer.Option(False, "--jsonl", help="One JSON record per line."),
+) -> None:
     """The audit log (admin)."""
     with _client() as client:
         body = client.request("GET", "/v1/audit", params={"since": since} if since else {})

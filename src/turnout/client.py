@@ -1,9 +1,9 @@
 """The Python SDK. `AsyncClient` is the one implementation; `Client` drives it on a private event loop.
 
-    from turnout import Client
-    client = Client()                                  # TURNOUT_URL, TURNOUT_TOKEN or $TURNOUT_HOME/admin.token
-    task = client.submit("shout", {"text": "hi"}, gpu="prefer")
-    print(task.result(timeout=30)["output"])
+from turnout import Client
+client = Client()                                  # TURNOUT_URL, TURNOUT_TOKEN or $TURNOUT_HOME/admin.token
+task = client.submit("shout", {"text": "hi"}, gpu="prefer")
+print(task.result(timeout=30)["output"])
 """
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ def raise_for_error(resp: httpx.Response) -> None:
         err = {"message": resp.text}
     message = err.get("message") or f"HTTP {resp.status_code}"
     if resp.status_code == 429:
-        raise RateLimited(message, retry_after_s=float(resp.headers.get("Retry-After", "1")), field=err.get("field"))
+        raise RateLimited(
+            message, retry_after_s=float(resp.headers.get("Retry-After", "1")), field=err.get("field")
+        )
     cls = _BY_STATUS.get(resp.status_code, TurnoutError)
     raise cls(message, field=err.get("field"))
 
@@ -85,7 +87,9 @@ class AsyncClient:
         self.url = (url or default_url()).rstrip("/")
         token = token or default_token()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout_s, read=None))
+        self.http = httpx.AsyncClient(
+            base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout_s, read=None)
+        )
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -104,8 +108,12 @@ class AsyncClient:
         raise_for_error(resp)
         return resp.json()
 
-    async def submit(self, capability: str, input: Any = None, *, gpu: str | bool = "auto", **options: Any) -> AsyncTaskHandle:
-        task = await self.request("POST", "/v1/tasks", json={"capability": capability, "input": input, "gpu": gpu, **options})
+    async def submit(
+        self, capability: str, input: Any = None, *, gpu: str | bool = "auto", **options: Any
+    ) -> AsyncTaskHandle:
+        task = await self.request(
+            "POST", "/v1/tasks", json={"capability": capability, "input": input, "gpu": gpu, **options}
+        )
         return AsyncTaskHandle(self, task)
 
     async def submit_batch(self, tasks: list[dict[str, Any]]) -> list[AsyncTaskHandle]:
@@ -122,7 +130,9 @@ class AsyncClient:
         return await self.request("POST", f"/v1/tasks/{task_id}/cancel")
 
     async def tasks(self, **filters: Any) -> dict[str, Any]:
-        return await self.request("GET", "/v1/tasks", params={k: v for k, v in filters.items() if v is not None})
+        return await self.request(
+            "GET", "/v1/tasks", params={k: v for k, v in filters.items() if v is not None}
+        )
 
     async def workers(self) -> list[dict[str, Any]]:
         return (await self.request("GET", "/v1/workers"))["workers"]
@@ -251,7 +261,9 @@ class Client:
         self._run(self._async.aclose())
         self._loop.close()
 
-    def submit(self, capability: str, input: Any = None, *, gpu: str | bool = "auto", **options: Any) -> TaskHandle:
+    def submit(
+        self, capability: str, input: Any = None, *, gpu: str | bool = "auto", **options: Any
+    ) -> TaskHandle:
         return TaskHandle(self, self._run(self._async.submit(capability, input, gpu=gpu, **options)))
 
     def submit_batch(self, tasks: list[dict[str, Any]]) -> list[TaskHandle]:

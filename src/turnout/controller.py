@@ -44,7 +44,9 @@ LIVE_WORKER_STATES = (WorkerState.HEALTHY, WorkerState.DRAINING)
 RETRYABLE_ERRORS = frozenset({"gpu_oom", "worker_lost"})
 WORKER_CACHE_S = 0.25  # how stale this controller's copy of the worker list may be
 RUNNING_AFTER_S = 0.5  # a leased task the worker reports as running is marked so after this long
-PLACEMENT_SETTLE_S = 1.0  # how long a GPU task waits for the policy's best worker before any fitting one takes it
+PLACEMENT_SETTLE_S = (
+    1.0  # how long a GPU task waits for the policy's best worker before any fitting one takes it
+)
 Change = tuple[str, Sequence[TaskState], "int | None", dict[str, Any]]  # see SqlStore.update_tasks
 
 
@@ -60,7 +62,9 @@ class LeaseResult:
 
 
 class Controller:
-    def __init__(self, store: SqlStore, settings: ControllerSettings, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, store: SqlStore, settings: ControllerSettings, *, clock: Callable[[], float] = time.time
+    ) -> None:
         self.store = store
         self.settings = settings
         self.clock = clock
@@ -71,7 +75,9 @@ class Controller:
     def submit(self, tenant: str, specs: Sequence[TaskSpec]) -> list[Task]:
         now = self.clock()
         tasks = [
-            Task(id=new_id("t_"), tenant=tenant, spec=s, state=TaskState.QUEUED, created_at=now, queued_at=now)
+            Task(
+                id=new_id("t_"), tenant=tenant, spec=s, state=TaskState.QUEUED, created_at=now, queued_at=now
+            )
             for s in specs
         ]
         return self.store.insert_tasks(tasks)
@@ -127,7 +133,11 @@ class Controller:
         return worker
 
     def heartbeat(
-        self, worker_id: str, *, metrics: dict[str, Any] | None = None, quarantined: dict[str, str] | None = None
+        self,
+        worker_id: str,
+        *,
+        metrics: dict[str, Any] | None = None,
+        quarantined: dict[str, str] | None = None,
     ) -> Worker:
         worker = self._worker(worker_id)
         if worker.state is WorkerState.GONE:
@@ -146,7 +156,9 @@ class Controller:
 
     def drain(self, worker_id: str) -> Worker:
         self._worker(worker_id)
-        self.store.update_worker(worker_id, (WorkerState.HEALTHY, WorkerState.UNHEALTHY), state=WorkerState.DRAINING.value)
+        self.store.update_worker(
+            worker_id, (WorkerState.HEALTHY, WorkerState.UNHEALTHY), state=WorkerState.DRAINING.value
+        )
         self._fleet_cache = None
         return self._worker(worker_id)
 
@@ -196,7 +208,10 @@ class Controller:
                    and now - (t.leased_at or now) >= RUNNING_AFTER_S]  # fmt: skip
         if started:
             self.store.update_tasks(
-                [(t.id, (TaskState.LEASED,), t.attempts, {"state": TaskState.RUNNING, "started_at": now}) for t in started]
+                [
+                    (t.id, (TaskState.LEASED,), t.attempts, {"state": TaskState.RUNNING, "started_at": now})
+                    for t in started
+                ]
             )
         if worker.state is not WorkerState.HEALTHY or max_tasks <= 0:
             return LeaseResult([], cancel)
@@ -235,7 +250,10 @@ class Controller:
                 fleet_view = fleet_view or self._fleet_view(workers)
                 fleet_view.update(worker_id, room)
                 best = fleet_view.best(gpu_res, task)
-                if best not in (None, worker_id) and now - (task.queued_at or task.created_at) < PLACEMENT_SETTLE_S:
+                if (
+                    best not in (None, worker_id)
+                    and now - (task.queued_at or task.created_at) < PLACEMENT_SETTLE_S
+                ):
                     continue  # another worker fits it better: leave it to that worker for a moment
             last_error = (task.routing or {}).get("last_error") or {}
             if last_error.get("type") == "gpu_oom" and decision.device is Device.CPU:
@@ -249,11 +267,18 @@ class Controller:
             alloc: dict[str, Any] = {"cpu": res.cpu, "memory": res.memory_bytes}
             if decision.device is Device.GPU and grant is not None:
                 room.usage = add_grant(room.usage, grant, placement.workload(task))
-                grant_dict = {**grant.to_dict(),
-                              "unit_memory_bytes": min(u.memory_bytes for u in room.units if u.uuid in grant.uuids)}
+                grant_dict = {
+                    **grant.to_dict(),
+                    "unit_memory_bytes": min(u.memory_bytes for u in room.units if u.uuid in grant.uuids),
+                }
                 alloc["gpu_share"] = placement.gpu_share(grant, room.units)
             kept = {k: v for k, v in (task.routing or {}).items() if k in ("avoid_gpus", "last_error")}
-            routing = {**kept, "requested": task.spec.gpu.value, "device": decision.device.value, "reason": decision.reason}
+            routing = {
+                **kept,
+                "requested": task.spec.gpu.value,
+                "device": decision.device.value,
+                "reason": decision.reason,
+            }
             values = {
                 "state": TaskState.LEASED, "worker_id": worker_id, "device": decision.device, "gpus": grant_dict,
                 "gpu_model": grant.model if grant_dict and grant else None, "routing": routing, "leased_at": now,
@@ -279,7 +304,8 @@ class Controller:
         for t in self.store.get_tasks(stale):
             error_type = (t.error or {}).get("type")
             stopped_here = t.state in (TaskState.CANCELLED, TaskState.QUEUED) or (
-                t.state is TaskState.FAILED and error_type in ("timeout", "worker_lost", "no_capacity"))
+                t.state is TaskState.FAILED and error_type in ("timeout", "worker_lost", "no_capacity")
+            )
             if t.worker_id != worker_id or stopped_here or t.state in ACTIVE_STATES:
                 out.append(t.id)
         return out
@@ -302,7 +328,12 @@ class Controller:
         requeue: list[tuple[Task, dict[str, Any]]] = []
         for c in completions:
             t = tasks.get(c.task_id)
-            if t is None or t.worker_id != worker_id or t.attempts != c.attempt or t.state not in ACTIVE_STATES:
+            if (
+                t is None
+                or t.worker_id != worker_id
+                or t.attempts != c.attempt
+                or t.state not in ACTIVE_STATES
+            ):
                 continue
             started = c.started_at or t.started_at or t.leased_at
             run_s = c.run_s if c.run_s is not None else (now - started if started else None)
@@ -360,7 +391,10 @@ class Controller:
         error = {"type": "worker_lost", "message": f"{why}; attempts used up"}
         done = self._requeue([(t, {"type": "worker_lost", "message": why}) for t in retry], now)
         failed = self.store.update_tasks(
-            [(t.id, ACTIVE, t.attempts, {"state": TaskState.FAILED, "error": error, "finished_at": now}) for t in give_up]
+            [
+                (t.id, ACTIVE, t.attempts, {"state": TaskState.FAILED, "error": error, "finished_at": now})
+                for t in give_up
+            ]
         )
         for t in give_up:
             if t.id in failed:
@@ -379,7 +413,9 @@ class Controller:
         workers = self.store.list_workers()
         for w in workers:
             silent = w.state in LIVE_WORKER_STATES and now - w.last_heartbeat > 3 * w.heartbeat_s
-            if silent and self.store.update_worker(w.id, LIVE_WORKER_STATES, state=WorkerState.UNHEALTHY.value):
+            if silent and self.store.update_worker(
+                w.id, LIVE_WORKER_STATES, state=WorkerState.UNHEALTHY.value
+            ):
                 self._fleet_cache = None
                 log.warning("worker %s (%s) missed three heartbeats: unhealthy", w.id, w.name)
                 changed = True
@@ -392,7 +428,11 @@ class Controller:
                 lost.append(t)
                 continue
             since = t.started_at or t.leased_at
-            if t.spec.timeout_s is not None and since is not None and now - since > t.spec.timeout_s + holder.heartbeat_s:
+            if (
+                t.spec.timeout_s is not None
+                and since is not None
+                and now - since > t.spec.timeout_s + holder.heartbeat_s
+            ):
                 error = {"type": "timeout", "message": f"ran longer than timeout_s={t.spec.timeout_s:g}"}
                 overdue.append((t.id, ACTIVE, t.attempts, {"state": TaskState.FAILED, "error": error,
                                                             "finished_at": now, "run_s": now - since}))  # fmt: skip
@@ -432,7 +472,9 @@ class Controller:
 
     # ---- events and audit --------------------------------------------------------------------
 
-    def append_events(self, worker_id: str, items: Sequence[tuple[str, int, dict[str, Any]]]) -> dict[str, int]:
+    def append_events(
+        self, worker_id: str, items: Sequence[tuple[str, int, dict[str, Any]]]
+    ) -> dict[str, int]:
         """Store events a worker sent for its current attempts; events for stale attempts are dropped."""
         now = self.clock()
         tasks = {t.id: t for t in self.store.get_tasks({tid for tid, _, _ in items})}
@@ -441,7 +483,10 @@ class Controller:
         started = [t for t in tasks.values() if t.state is TaskState.LEASED and t.worker_id == worker_id]
         if started:
             self.store.update_tasks(
-                [(t.id, (TaskState.LEASED,), t.attempts, {"state": TaskState.RUNNING, "started_at": now}) for t in started]
+                [
+                    (t.id, (TaskState.LEASED,), t.attempts, {"state": TaskState.RUNNING, "started_at": now})
+                    for t in started
+                ]
             )
         return self.store.append_events(keep) if keep else {}
 
@@ -467,5 +512,3 @@ def _no_capacity(task: Task) -> dict[str, Any]:
     return {"type": "no_capacity",
             "message": f"no live worker offers a variant of {task.spec.capability!r} that gpu={task.spec.gpu.value} "
                        "allows and that fits, for the task's whole placement_timeout_s"}  # fmt: skip
-
-

@@ -96,7 +96,11 @@ class Variant:
     resources: Resources
 
     def to_dict(self) -> dict[str, Any]:
-        return {"capability": self.capability, "device": self.device.value, "resources": self.resources.to_dict()}
+        return {
+            "capability": self.capability,
+            "device": self.device.value,
+            "resources": self.resources.to_dict(),
+        }
 
 
 @dataclass(frozen=True)

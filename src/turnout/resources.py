@@ -29,13 +29,19 @@ _CC = re.compile(r"^\s*([0-9]+)\.([0-9]+)\s*$")
 def parse_bytes(value: Any, field_name: str) -> int:
     """`"512Mi"`, `"4Gi"`, `"1G"`, `"1.5Gi"` or a plain byte count -> bytes (int >= 0)."""
     if isinstance(value, bool):
-        raise InvalidInput(f"{field_name}: expected a quantity like '512Mi' or a byte count, got {value!r}", field=field_name)
+        raise InvalidInput(
+            f"{field_name}: expected a quantity like '512Mi' or a byte count, got {value!r}", field=field_name
+        )
     if isinstance(value, int | float):
         if not math.isfinite(value) or value < 0:
-            raise InvalidInput(f"{field_name}: must be a non-negative quantity, got {value!r}", field=field_name)
+            raise InvalidInput(
+                f"{field_name}: must be a non-negative quantity, got {value!r}", field=field_name
+            )
         return int(value)
     if not isinstance(value, str):
-        raise InvalidInput(f"{field_name}: expected a quantity like '512Mi', got {type(value).__name__}", field=field_name)
+        raise InvalidInput(
+            f"{field_name}: expected a quantity like '512Mi', got {type(value).__name__}", field=field_name
+        )
     match = _QUANTITY.match(value)
     if not match or match.group(2) not in _UNITS:
         raise InvalidInput(
@@ -58,7 +64,9 @@ def parse_compute_capability(value: Any, field_name: str) -> tuple[int, int]:
     text = str(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
     match = _CC.match(text) if isinstance(text, str) else None
     if not match:
-        raise InvalidInput(f"{field_name}: expected a compute capability like '8.0', got {value!r}", field=field_name)
+        raise InvalidInput(
+            f"{field_name}: expected a compute capability like '8.0', got {value!r}", field=field_name
+        )
     return int(match.group(1)), int(match.group(2))
 
 
@@ -121,10 +129,16 @@ def parse_resources(spec: Mapping[str, Any] | None, prefix: str = "resources") -
         )
     cpu = spec.get("cpu", 1.0)
     if isinstance(cpu, bool) or not isinstance(cpu, int | float) or not math.isfinite(cpu) or cpu < 0:
-        raise InvalidInput(f"{prefix}.cpu: must be a number of cores >= 0, got {cpu!r}", field=f"{prefix}.cpu")
+        raise InvalidInput(
+            f"{prefix}.cpu: must be a number of cores >= 0, got {cpu!r}", field=f"{prefix}.cpu"
+        )
     memory = parse_bytes(spec["memory"], f"{prefix}.memory") if "memory" in spec else 0
     gpu = _parse_gpu(spec.get("gpu", 0), f"{prefix}.gpu")
-    gpu_memory = parse_bytes(spec["gpu_memory"], f"{prefix}.gpu_memory") if spec.get("gpu_memory") is not None else None
+    gpu_memory = (
+        parse_bytes(spec["gpu_memory"], f"{prefix}.gpu_memory")
+        if spec.get("gpu_memory") is not None
+        else None
+    )
     if gpu_memory is not None and gpu_memory <= 0:
         raise InvalidInput(f"{prefix}.gpu_memory: must be more than 0", field=f"{prefix}.gpu_memory")
     models = _parse_models(spec.get("gpu_model"), f"{prefix}.gpu_model")
@@ -135,11 +149,15 @@ def parse_resources(spec: Mapping[str, Any] | None, prefix: str = "resources") -
 
 def _parse_gpu(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise InvalidInput(f"{name}: expected a GPU count (1, 2, ...) or a share (0 < x < 1), got {value!r}", field=name)
+        raise InvalidInput(
+            f"{name}: expected a GPU count (1, 2, ...) or a share (0 < x < 1), got {value!r}", field=name
+        )
     if value < 0:
         raise InvalidInput(f"{name}: must not be negative, got {value!r}", field=name)
     if value >= 1 and value != int(value):
-        raise InvalidInput(f"{name}: whole GPUs must be an integer (or a share below 1), got {value!r}", field=name)
+        raise InvalidInput(
+            f"{name}: whole GPUs must be an integer (or a share below 1), got {value!r}", field=name
+        )
     return int(value) if value >= 1 else float(value)
 
 

@@ -47,7 +47,9 @@ def _allows(mode: GpuMode, device: Device) -> bool:
     return True
 
 
-def route(mode: GpuMode, waited_s: float, gpu_wait_s: float, offer: WorkerOffer, cluster: ClusterView) -> Route | None:
+def route(
+    mode: GpuMode, waited_s: float, gpu_wait_s: float, offer: WorkerOffer, cluster: ClusterView
+) -> Route | None:
     """The device this worker should run the task on now, or None to leave it for another worker or later.
 
     `prefer` (and `auto`, until run-time estimates exist) takes a GPU when one is free here; otherwise it

@@ -53,7 +53,10 @@ def build_controller(
     fresh_admin_token: bool = False,
 ) -> ControllerParts:
     if not auth and host not in LOOPBACK:
-        raise InvalidInput(f"--no-auth is refused unless the controller listens on loopback only (not {host})", field="no-auth")
+        raise InvalidInput(
+            f"--no-auth is refused unless the controller listens on loopback only (not {host})",
+            field="no-auth",
+        )
     settings = controller_settings(config, heartbeat_s=heartbeat_s)
     store = open_store(db)
     tokens = TokenBook(store)
@@ -78,7 +81,9 @@ def _admin_token(store: object, tokens: TokenBook, home: Path, fresh: bool) -> s
     return None
 
 
-def serve(service: Service, *, host: str, port: int, tls_cert: Path | None = None, tls_key: Path | None = None) -> None:
+def serve(
+    service: Service, *, host: str, port: int, tls_cert: Path | None = None, tls_key: Path | None = None
+) -> None:
     """Run the API until SIGINT/SIGTERM."""
     import uvicorn
 

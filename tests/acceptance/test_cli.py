@@ -23,7 +23,18 @@ def test_simulate_replays_a_trace_through_the_placement_code(tmp_path: Path) -> 
     header = "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time,scheduled_time\n"
     rows = "".join(f"p{i},1000,1024,1,500,,LS,Running,0,10,0\n" for i in range(8))
     tasks.write_text(header + rows)
-    out = run("simulate", "--nodes", str(nodes), "--tasks", str(tasks), "--policy", "bestfit", "--seed", "42", "--json")
+    out = run(
+        "simulate",
+        "--nodes",
+        str(nodes),
+        "--tasks",
+        str(tasks),
+        "--policy",
+        "bestfit",
+        "--seed",
+        "42",
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     body = json.loads(out.stdout)
     assert body["policy"] == "bestfit" and body["seed"] == 42

@@ -39,7 +39,9 @@ def test_readme_tour_runs(tmp_path: Path, processes: Processes) -> None:
     while time.monotonic() < deadline:
         try:
             token = (home / "admin.token").read_text().strip()
-            workers = httpx.get(f"http://127.0.0.1:{port}/v1/workers", headers={"Authorization": f"Bearer {token}"}).json()
+            workers = httpx.get(
+                f"http://127.0.0.1:{port}/v1/workers", headers={"Authorization": f"Bearer {token}"}
+            ).json()
             if any(w["state"] == "healthy" for w in workers["workers"]):
                 break
         except (OSError, httpx.HTTPError, KeyError, ValueError):
@@ -52,5 +54,7 @@ def test_readme_tour_runs(tmp_path: Path, processes: Processes) -> None:
     except subprocess.TimeoutExpired:
         code = None
     log = (tmp_path / "tour.log").read_text()
-    assert code == 0, f"README tour failed (exit {code}):\n{log[-4000:]}\n--- up.log:\n{(tmp_path / 'up.log').read_text()[-2000:]}"
+    assert code == 0, (
+        f"README tour failed (exit {code}):\n{log[-4000:]}\n--- up.log:\n{(tmp_path / 'up.log').read_text()[-2000:]}"
+    )
     assert '"reason": "no healthy gpu worker"' in log

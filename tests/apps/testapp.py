@@ -73,8 +73,12 @@ def oom_gpu(ctx: Context, data: dict[str, Any]) -> dict[str, Any]:
     """Runs out of GPU memory on its first attempt, like a batch that was too large for that GPU."""
     if ctx.attempt == 1:
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
-    return {"device": ctx.device, "gpus": ctx.gpus, "limit": os.environ.get("TURNOUT_GPU_MEMORY_LIMIT"),
-            "fraction": os.environ.get("TURNOUT_GPU_MEMORY_FRACTION")}
+    return {
+        "device": ctx.device,
+        "gpus": ctx.gpus,
+        "limit": os.environ.get("TURNOUT_GPU_MEMORY_LIMIT"),
+        "fraction": os.environ.get("TURNOUT_GPU_MEMORY_FRACTION"),
+    }
 
 
 @app.capability("hog", gpu_memory="4Gi", cpu=0.1)
@@ -82,7 +86,9 @@ def hog(ctx: Context, data: dict[str, Any]) -> dict[str, Any]:
     """Reports (through the fake GPU's state file) that it uses more memory than its share, then waits."""
     from turnout.gpu.fake import write_fake_state
 
-    write_fake_state(Path(data["state"]), ctx.gpus[0], processes=[{"pid": os.getpid(), "used_memory_bytes": data["bytes"]}])
+    write_fake_state(
+        Path(data["state"]), ctx.gpus[0], processes=[{"pid": os.getpid(), "used_memory_bytes": data["bytes"]}]
+    )
     time.sleep(float(data.get("sleep", 30)))
     return {}
 

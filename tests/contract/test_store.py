@@ -62,7 +62,9 @@ def _task(i: int, key: str | None = None, tenant: str = "default", priority: int
     spec = TaskSpec(capability="cap", input={"n": i}, gpu=GpuMode.PREFER, idempotency_key=key, priority=priority,
                     resources=parse_resources({"memory": "1Gi"}), resource_keys=frozenset({"memory"}))  # fmt: skip
     now = time.time() + i * 1e-3
-    return Task(id=f"t_{i:06d}", tenant=tenant, spec=spec, state=TaskState.QUEUED, created_at=now, queued_at=now)
+    return Task(
+        id=f"t_{i:06d}", tenant=tenant, spec=spec, state=TaskState.QUEUED, created_at=now, queued_at=now
+    )
 
 
 def test_inserted_tasks_read_back_identically(store: SqlStore) -> None:
@@ -83,7 +85,12 @@ def test_conditional_updates_apply_once(store: SqlStore) -> None:
     lease = ("t_000001", (TaskState.QUEUED,), 0, {"state": TaskState.LEASED, "attempts": 1, "worker_id": "w"})
     assert store.update_tasks([lease]) == ["t_000001"]
     assert store.update_tasks([lease]) == []  # the second claim loses
-    done = ("t_000001", (TaskState.LEASED, TaskState.RUNNING), 1, {"state": TaskState.SUCCEEDED, "output": {"ok": 1}})
+    done = (
+        "t_000001",
+        (TaskState.LEASED, TaskState.RUNNING),
+        1,
+        {"state": TaskState.SUCCEEDED, "output": {"ok": 1}},
+    )
     stale = ("t_000001", (TaskState.LEASED, TaskState.RUNNING), 0, {"state": TaskState.FAILED})
     assert store.update_tasks([stale]) == []  # a report from an older attempt is refused
     assert store.update_tasks([done]) == ["t_000001"]
@@ -99,7 +106,11 @@ def test_listing_pages_newest_first(store: SqlStore) -> None:
     store.insert_tasks([_task(i) for i in range(5)])
     page = store.list_tasks(tenant="default", limit=2)
     assert [t.id for t in page] == ["t_000004", "t_000003"]
-    assert [t.id for t in store.list_tasks(tenant="default", limit=10, cursor=page[-1].id)] == ["t_000002", "t_000001", "t_000000"]
+    assert [t.id for t in store.list_tasks(tenant="default", limit=10, cursor=page[-1].id)] == [
+        "t_000002",
+        "t_000001",
+        "t_000000",
+    ]
 
 
 def test_workers_round_trip(store: SqlStore) -> None:
@@ -114,7 +125,9 @@ def test_workers_round_trip(store: SqlStore) -> None:
 
 
 def test_events_get_per_task_sequence_numbers(store: SqlStore) -> None:
-    store.append_events([("a", 1.0, {"event": "log"}), ("b", 1.0, {"event": "log"}), ("a", 2.0, {"event": "text"})])
+    store.append_events(
+        [("a", 1.0, {"event": "log"}), ("b", 1.0, {"event": "log"}), ("a", 2.0, {"event": "text"})]
+    )
     store.append_events([("a", 3.0, {"event": "finish"})])
     assert [s for s, _, _ in store.read_events("a")] == [1, 2, 3]
     assert [b["event"] for _, _, b in store.read_events("a", after=1)] == ["text", "finish"]

@@ -42,7 +42,12 @@ def test_batch_errors_name_the_task_index(api: Cluster) -> None:
     resp = api.api("POST", "/v1/tasks/batch", json=body)
     assert resp.status_code == 422
     assert resp.json()["error"]["field"] == "tasks.1.resources.memory"
-    assert api.api("POST", "/v1/tasks/batch", json={"tasks": [{"capability": "count", "bogus": 1}]}).json()["error"]["field"] == "tasks.0.bogus"
+    assert (
+        api.api("POST", "/v1/tasks/batch", json={"tasks": [{"capability": "count", "bogus": 1}]}).json()[
+            "error"
+        ]["field"]
+        == "tasks.0.bogus"
+    )
 
 
 def test_malformed_json_is_a_422_not_a_500(api: Cluster) -> None:
@@ -88,7 +93,9 @@ def test_a_tenant_sees_only_its_own_tasks_and_workers_cannot_submit(api: Cluster
     assert httpx.post(f"{api.url}/v1/tasks/{mine['id']}/cancel", headers=h(other)).status_code == 404
     listed = httpx.get(f"{api.url}/v1/tasks", headers=h(other)).json()["tasks"]
     assert mine["id"] not in {t["id"] for t in listed}
-    assert httpx.post(f"{api.url}/v1/tasks", json={"capability": "count"}, headers=h(worker)).status_code == 403
+    assert (
+        httpx.post(f"{api.url}/v1/tasks", json={"capability": "count"}, headers=h(worker)).status_code == 403
+    )
     kinds = {r["kind"] for r in api.api("GET", "/v1/audit").json()["audit"]}
     assert {"token_created", "worker_registered"} <= kinds
 
@@ -145,7 +152,12 @@ def test_capabilities_and_workers_list_variants_and_gpus(api: Cluster) -> None:
 
 def test_malformed_worker_events_are_422_naming_the_event(api: Cluster) -> None:
     worker = next(w for w in api.api("GET", "/v1/workers").json()["workers"] if w["name"] == "api-worker")
-    bad = {"events": [{"task_id": "t_x", "attempt": 1, "event": {"event": "log"}}, {"task_id": "t_x", "attempt": 0, "event": {}}]}
+    bad = {
+        "events": [
+            {"task_id": "t_x", "attempt": 1, "event": {"event": "log"}},
+            {"task_id": "t_x", "attempt": 0, "event": {}},
+        ]
+    }
     resp = api.api("POST", f"/v1/workers/{worker['id']}/events", json=bad)
     assert resp.status_code == 422
     assert resp.json()["error"]["field"] == "events.1"

@@ -18,11 +18,16 @@ def _runs(log: Path) -> list[str]:
     return [line.split()[0] for line in log.read_text().splitlines()] if log.exists() else []
 
 
-def test_sigkill_of_a_worker_requeues_its_tasks_which_complete_once_elsewhere(cluster: Cluster, tmp_path: Path) -> None:
+def test_sigkill_of_a_worker_requeues_its_tasks_which_complete_once_elsewhere(
+    cluster: Cluster, tmp_path: Path
+) -> None:
     log = tmp_path / "runs.log"
     victim = cluster.start_worker(APP, name="victim", extra=["--cpus", "1"])
     victim_id = cluster.wait_for_worker("victim")["id"]
-    tasks = [cluster.submit("count", {"log": str(log), "sleep_first_attempt": 60, "n": i}, timeout_s=120) for i in range(4)]
+    tasks = [
+        cluster.submit("count", {"log": str(log), "sleep_first_attempt": 60, "n": i}, timeout_s=120)
+        for i in range(4)
+    ]
     ids = {t["id"] for t in tasks}
     deadline = time.monotonic() + 20
     while len(set(_runs(log))) < 4 and time.monotonic() < deadline:  # all four started on the victim
@@ -39,13 +44,17 @@ def test_sigkill_of_a_worker_requeues_its_tasks_which_complete_once_elsewhere(cl
     assert victim_id not in {d["worker"] for d in done}
     assert all(d["attempts"] == 2 for d in done)
     runs = _runs(log)
-    assert sorted(runs) == sorted(list(ids) * 2)  # once on the victim (killed), once on the rescuer: no third run
+    assert sorted(runs) == sorted(
+        list(ids) * 2
+    )  # once on the victim (killed), once on the rescuer: no third run
     # the victim's handler processes died with it
     deadline = time.monotonic() + 10
     while any(pid_alive(pid) for pid in handlers) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in handlers if pid_alive(pid)]
-    assert time.monotonic() - killed_at < 3 * cluster.heartbeat_s + 15  # three heartbeats plus the work (generous)
+    assert (
+        time.monotonic() - killed_at < 3 * cluster.heartbeat_s + 15
+    )  # three heartbeats plus the work (generous)
 
 
 def test_grandchildren_of_a_handler_die_when_the_worker_is_killed(cluster: Cluster, tmp_path: Path) -> None:
@@ -77,7 +86,9 @@ def test_controller_sigkill_and_restart_loses_no_accepted_task(cluster: Cluster)
         assert cluster.result(t["id"], wait=60)["state"] == "succeeded"
 
 
-def test_thousand_tasks_through_two_workers_nothing_lost_or_duplicated(cluster: Cluster, tmp_path: Path) -> None:
+def test_thousand_tasks_through_two_workers_nothing_lost_or_duplicated(
+    cluster: Cluster, tmp_path: Path
+) -> None:
     log = tmp_path / "runs.log"
     # slower heartbeats than the other tests: on a loaded CI machine a 0.5 s beat can slip past three periods
     # while forty handler processes start, and a worker thought lost re-runs its tasks (at least once, by design)
@@ -85,7 +96,11 @@ def test_thousand_tasks_through_two_workers_nothing_lost_or_duplicated(cluster: 
     cluster.start_worker(APP, name="b", heartbeat_s=3.0)
     ids: list[str] = []
     for start in range(0, 1000, 250):
-        body = {"tasks": [{"capability": "count", "input": {"n": i, "log": str(log)}} for i in range(start, start + 250)]}
+        body = {
+            "tasks": [
+                {"capability": "count", "input": {"n": i, "log": str(log)}} for i in range(start, start + 250)
+            ]
+        }
         ids += [t["id"] for t in cluster.api("POST", "/v1/tasks/batch", json=body).json()["tasks"]]
     assert len(set(ids)) == 1000
     deadline = time.monotonic() + 120
@@ -99,7 +114,9 @@ def test_thousand_tasks_through_two_workers_nothing_lost_or_duplicated(cluster: 
     done = []
     cursor = None
     while True:
-        page = cluster.api("GET", "/v1/tasks", params={"limit": 1000, **({"cursor": cursor} if cursor else {})}).json()
+        page = cluster.api(
+            "GET", "/v1/tasks", params={"limit": 1000, **({"cursor": cursor} if cursor else {})}
+        ).json()
         done += page["tasks"]
         cursor = page["next_cursor"]
         if not cursor:

@@ -66,7 +66,9 @@ def test_a_hardware_fault_quarantines_the_gpu_until_a_canary_passes(cluster: Clu
 def test_an_application_xid_does_not_quarantine(cluster: Cluster, tmp_path: Path) -> None:
     state = tmp_path / "gpus.json"
     cluster.start_worker(APP, gpus=f"fake:1x24Gi@{state}", name="appfault")
-    write_fake_state(state, "GPU-fake-0", xid=[31])  # an illegal address in one program: not the device's fault
+    write_fake_state(
+        state, "GPU-fake-0", xid=[31]
+    )  # an illegal address in one program: not the device's fault
     time.sleep(3 * cluster.heartbeat_s)
     assert not _worker(cluster, "appfault")["gpus"][0]["quarantined"]
     assert cluster.result(cluster.submit("gpuonly", {}, gpu="require")["id"])["state"] == "succeeded"

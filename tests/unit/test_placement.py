@@ -40,7 +40,9 @@ def test_room_is_capacity_less_what_active_tasks_hold() -> None:
 def test_cluster_view_sees_gpu_variants_only_where_a_gpu_could_ever_fit() -> None:
     big = Variant("c", Device.GPU, parse_resources({"gpu_memory": "40Gi"}))
     assert placement.cluster_view([worker("a", variants=(big, CPU))], task("x")).gpu_possible is False
-    assert placement.cluster_view([worker("a", gpu_mem=80, variants=(big, CPU))], task("x")).gpu_possible is True
+    assert (
+        placement.cluster_view([worker("a", gpu_mem=80, variants=(big, CPU))], task("x")).gpu_possible is True
+    )
     assert placement.cluster_view([worker("a", gpus=0, variants=(CPU,))], task("x")).cpu_possible is True
 
 

@@ -27,7 +27,9 @@ def test_a_bad_quantity_is_an_error_naming_the_field(bad: object) -> None:
     assert "resources.memory" in err.value.message
 
 
-@given(st.integers(min_value=0, max_value=2**50), st.sampled_from(["", "Ki", "Mi", "Gi", "Ti", "K", "M", "G"]))
+@given(
+    st.integers(min_value=0, max_value=2**50), st.sampled_from(["", "Ki", "Mi", "Gi", "Ti", "K", "M", "G"])
+)
 def test_integer_quantities_round_trip(n: int, suffix: str) -> None:
     parsed = parse_bytes(f"{n}{suffix}", "memory")
     assert parse_bytes(format_bytes(parsed), "memory") == parsed
@@ -71,7 +73,9 @@ def test_gpu_memory_alone_is_a_shared_gpu_request() -> None:
     assert r.gpu_models == ("H100", "A100") and r.min_compute_capability == (8, 0)
 
 
-@given(st.dictionaries(st.sampled_from(["cpu", "memory", "gpu", "gpu_memory"]), st.integers(0, 4), min_size=1))
+@given(
+    st.dictionaries(st.sampled_from(["cpu", "memory", "gpu", "gpu_memory"]), st.integers(0, 4), min_size=1)
+)
 def test_to_dict_round_trips(spec: dict[str, int]) -> None:
     spec = {k: v for k, v in spec.items() if not (k == "gpu_memory" and v == 0)}
     r = parse_resources(spec)

@@ -40,7 +40,14 @@ def test_route_table(mode: GpuMode, waited: float, offer: WorkerOffer, cluster: 
     assert (decision.reason if decision else None) == reason
 
 
-@given(st.sampled_from(list(GpuMode)), st.floats(0, 1e6), st.booleans(), st.booleans(), st.booleans(), st.booleans())
+@given(
+    st.sampled_from(list(GpuMode)),
+    st.floats(0, 1e6),
+    st.booleans(),
+    st.booleans(),
+    st.booleans(),
+    st.booleans(),
+)
 def test_route_never_picks_a_device_that_does_not_fit_or_is_forbidden(
     mode: GpuMode, waited: float, cpu_fits: bool, gpu_fits: bool, gpu_possible: bool, cpu_possible: bool
 ) -> None:

@@ -94,14 +94,19 @@ def create_app(service: Service) -> FastAPI:
             raise InvalidInput(f"state: {state!r} is not a task state", field="state")
         tasks = await service.read(ctrl.list_tasks, scope(p), state=state, capability=capability, limit=limit,
                                    cursor=cursor)  # fmt: skip
-        return {"tasks": [task_out(t) for t in tasks], "next_cursor": tasks[-1].id if len(tasks) == limit else None}
+        return {
+            "tasks": [task_out(t) for t in tasks],
+            "next_cursor": tasks[-1].id if len(tasks) == limit else None,
+        }
 
     @app.get("/v1/tasks/{task_id}")
     async def get_task(task_id: str, p: Principal = need("read")) -> dict[str, Any]:
         return task_out(await service.read(ctrl.get_task, scope(p), task_id))
 
     @app.get("/v1/tasks/{task_id}/result")
-    async def get_result(task_id: str, wait: float = Query(0, ge=0, le=3600), p: Principal = need("read")) -> dict[str, Any]:
+    async def get_result(
+        task_id: str, wait: float = Query(0, ge=0, le=3600), p: Principal = need("read")
+    ) -> dict[str, Any]:
         deadline = time.monotonic() + wait
         while True:
             signal = service.tasks_changed.current()
@@ -129,12 +134,16 @@ def create_app(service: Service) -> FastAPI:
         start = after
         if last_event_id:
             if not last_event_id.isdigit():
-                raise InvalidInput("Last-Event-ID: expected the seq number of the last event seen", field="Last-Event-ID")
+                raise InvalidInput(
+                    "Last-Event-ID: expected the seq number of the last event seen", field="Last-Event-ID"
+                )
             start = max(start, int(last_event_id))
 
         def frame(seq: int, ts: float | None, body: dict[str, Any]) -> bytes:
             payload = {**body, "seq": seq, "ts": iso_cached(ts)}
-            return f"id: {seq}\nevent: {body.get('event', 'message')}\ndata: {json.dumps(payload)}\n\n".encode()
+            return (
+                f"id: {seq}\nevent: {body.get('event', 'message')}\ndata: {json.dumps(payload)}\n\n".encode()
+            )
 
         async def stream() -> AsyncIterator[bytes]:
             seen = start
@@ -165,7 +174,9 @@ def create_app(service: Service) -> FastAPI:
                     return
                 await Signal.wait(signal, POLL_S)
 
-        return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(
+            stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
 
     # ---- capabilities and workers --------------------------------------------------------------
 
@@ -177,7 +188,10 @@ def create_app(service: Service) -> FastAPI:
         for w in workers:
             for v in w.variants:
                 entry = caps.setdefault(v.capability, {"name": v.capability, "variants": {}})
-                var = entry["variants"].setdefault(v.device.value, {"device": v.device.value, "resources": v.resources.to_dict(), "workers": []})
+                var = entry["variants"].setdefault(
+                    v.device.value,
+                    {"device": v.device.value, "resources": v.resources.to_dict(), "workers": []},
+                )
                 var["workers"].append({"id": w.id, "name": w.name, "state": w.state.value})
         for name in depths:
             caps.setdefault(name, {"name": name, "variants": {}})
@@ -209,7 +223,11 @@ def create_app(service: Service) -> FastAPI:
         variants = []
         for i, v in enumerate(body.variants):
             check_capability_name(v.capability, f"variants.{i}.capability")
-            variants.append(Variant(v.capability, Device(v.device), parse_resources(v.resources, f"variants.{i}.resources")))
+            variants.append(
+                Variant(
+                    v.capability, Device(v.device), parse_resources(v.resources, f"variants.{i}.resources")
+                )
+            )
         worker = await service.call(
             ctrl.register_worker, name=body.name, host=body.host, variants=variants, cpu=body.cpu,
             memory_bytes=body.memory, gpus=body.gpus, strategy=body.strategy, heartbeat_s=body.heartbeat_s,
@@ -220,7 +238,9 @@ def create_app(service: Service) -> FastAPI:
 
     @app.post("/v1/workers/{worker_id}/heartbeat")
     async def heartbeat(worker_id: str, body: HeartbeatIn, p: Principal = need("worker")) -> dict[str, Any]:
-        worker = await service.call(ctrl.heartbeat, worker_id, metrics=body.metrics, quarantined=body.quarantined)
+        worker = await service.call(
+            ctrl.heartbeat, worker_id, metrics=body.metrics, quarantined=body.quarantined
+        )
         return {"state": worker.state.value, "heartbeat_s": worker.heartbeat_s}
 
     @app.post("/v1/workers/{worker_id}/lease")
@@ -251,7 +271,9 @@ def create_app(service: Service) -> FastAPI:
     @app.post("/v1/workers/{worker_id}/complete")
     async def complete(worker_id: str, body: CompleteIn, p: Principal = need("worker")) -> dict[str, Any]:
         completions = [
-            Completion(r.task_id, r.attempt, r.status == "succeeded", r.output, r.error, r.run_s, r.started_at)
+            Completion(
+                r.task_id, r.attempt, r.status == "succeeded", r.output, r.error, r.run_s, r.started_at
+            )
             for r in body.results
         ]
         accepted, refused = await service.call(ctrl.complete, worker_id, completions)
@@ -263,7 +285,9 @@ def create_app(service: Service) -> FastAPI:
         return {"accepted": accepted, "refused": refused}
 
     @app.post("/v1/workers/{worker_id}/events")
-    async def worker_events(worker_id: str, request: Request, p: Principal = need("worker")) -> dict[str, Any]:
+    async def worker_events(
+        worker_id: str, request: Request, p: Principal = need("worker")
+    ) -> dict[str, Any]:
         try:
             raw = json.loads(await request.body())
         except ValueError:
@@ -285,7 +309,9 @@ def create_app(service: Service) -> FastAPI:
     @app.post("/v1/tokens", status_code=201)
     async def create_token(body: TokenIn, p: Principal = need("admin")) -> dict[str, Any]:
         token_id, token = await service.call(service.tokens.create, body.role, body.tenant)
-        await service.call(ctrl.audit, "token_created", body.tenant, {"id": token_id, "role": body.role, "by": p.token_id})
+        await service.call(
+            ctrl.audit, "token_created", body.tenant, {"id": token_id, "role": body.role, "by": p.token_id}
+        )
         return {"id": token_id, "token": token, "role": body.role, "tenant": body.tenant}
 
     @app.delete("/v1/tokens/{token_id}")
@@ -303,7 +329,10 @@ def create_app(service: Service) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         depths = await service.read(ctrl.store.queue_depths)
-        lines = ["# HELP turnout_tasks Tasks by capability and state (non-terminal)", "# TYPE turnout_tasks gauge"]
+        lines = [
+            "# HELP turnout_tasks Tasks by capability and state (non-terminal)",
+            "# TYPE turnout_tasks gauge",
+        ]
         for cap, states in sorted(depths.items()):
             for state, n in sorted(states.items()):
                 lines.append(f'turnout_tasks{{capability="{cap}",state="{state}"}} {n}')
@@ -334,4 +363,6 @@ def _parse_since(since: str | None) -> float | None:
     try:
         return datetime.fromisoformat(since.replace("Z", "+00:00")).timestamp()
     except ValueError:
-        raise InvalidInput(f"since: {since!r} is not an ISO 8601 time or epoch seconds", field="since") from None
+        raise InvalidInput(
+            f"since: {since!r} is not an ISO 8601 time or epoch seconds", field="since"
+        ) from None

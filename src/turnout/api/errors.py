@@ -41,9 +41,13 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return JSONResponse({"error": {"type": kind, "message": str(exc.detail)}}, status_code=exc.status_code)
+        return JSONResponse(
+            {"error": {"type": kind, "message": str(exc.detail)}}, status_code=exc.status_code
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error")
-        return JSONResponse({"error": {"type": "internal", "message": f"{type(exc).__name__}: {exc}"}}, status_code=500)
+        return JSONResponse(
+            {"error": {"type": "internal", "message": f"{type(exc).__name__}: {exc}"}}, status_code=500
+        )

@@ -101,16 +101,25 @@ def parse_events(body: Any) -> list[tuple[str, int, dict[str, Any]]]:
     """`{"events": [{task_id, attempt, event}, ...]}` -> tuples, checked by hand: a chatty task sends
     tens of thousands per second, and a model per event would cost more than storing it."""
     if not isinstance(body, dict) or set(body) != {"events"} or not isinstance(body["events"], list):
-        raise InvalidInput('body: expected {"events": [{"task_id", "attempt", "event"}, ...]}', field="events")
+        raise InvalidInput(
+            'body: expected {"events": [{"task_id", "attempt", "event"}, ...]}', field="events"
+        )
     items = body["events"]
     if len(items) > MAX_EVENTS_PER_POST:
         raise InvalidInput(f"events: at most {MAX_EVENTS_PER_POST} per request", field="events")
     out = []
     for i, e in enumerate(items):
         if not isinstance(e, dict) or e.keys() != {"task_id", "attempt", "event"}:
-            raise InvalidInput(f"events.{i}: expected exactly task_id, attempt and event", field=f"events.{i}")
+            raise InvalidInput(
+                f"events.{i}: expected exactly task_id, attempt and event", field=f"events.{i}"
+            )
         task_id, attempt, event = e["task_id"], e["attempt"], e["event"]
-        if not isinstance(task_id, str) or type(attempt) is not int or attempt < 1 or not isinstance(event, dict):
+        if (
+            not isinstance(task_id, str)
+            or type(attempt) is not int
+            or attempt < 1
+            or not isinstance(event, dict)
+        ):
             raise InvalidInput(f"events.{i}: task_id must be a string, attempt an integer >= 1, event an object",
                                field=f"events.{i}")  # fmt: skip
         out.append((task_id, attempt, event))
@@ -158,7 +167,9 @@ def worker_out(w: Worker, active: int = 0) -> dict[str, Any]:
     live = {m.get("uuid"): m for m in metrics.get("gpus", [])}
     gpus = []
     for g in w.gpus:
-        gpus.append({**g, "metrics": live.get(g.get("uuid")), "quarantined": w.quarantined.get(g.get("uuid", ""))})
+        gpus.append(
+            {**g, "metrics": live.get(g.get("uuid")), "quarantined": w.quarantined.get(g.get("uuid", ""))}
+        )
     return {
         "id": w.id, "name": w.name, "host": w.host, "state": w.state.value,
         "capabilities": sorted({v.capability for v in w.variants}),

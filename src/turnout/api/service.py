@@ -89,7 +89,9 @@ class Service:
         self.queue_changed = Signal()  # new tasks, freed capacity, cancellations
         self.tasks_changed = Signal()  # some task reached a terminal state or changed worker
         self.events_added = Signal()
-        self._worker_signals: dict[str, Signal] = {}  # capacity freed on one worker: wakes only its lease poll
+        self._worker_signals: dict[
+            str, Signal
+        ] = {}  # capacity freed on one worker: wakes only its lease poll
         self._reaper: asyncio.Task[None] | None = None
 
     async def read(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:

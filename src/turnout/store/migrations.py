@@ -46,5 +46,7 @@ def migrate(engine: sa.Engine) -> int:
             if version in done:
                 continue
             apply(conn)
-            conn.execute(schema.schema_migrations.insert().values(version=version, name=name, applied_at=time.time()))
+            conn.execute(
+                schema.schema_migrations.insert().values(version=version, name=name, applied_at=time.time())
+            )
     return MIGRATIONS[-1][0]

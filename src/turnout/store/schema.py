@@ -53,7 +53,9 @@ tasks = sa.Table(
 )
 
 # the lease order: served by an index, so a deep queue is not sorted on every lease
-queue_order = sa.Index("ix_tasks_queue_order", tasks.c.state, tasks.c.priority.desc(), tasks.c.created_at, tasks.c.id)
+queue_order = sa.Index(
+    "ix_tasks_queue_order", tasks.c.state, tasks.c.priority.desc(), tasks.c.created_at, tasks.c.id
+)
 
 workers = sa.Table(
     "workers",

@@ -202,13 +202,18 @@ class SqlStore:
         """Queued tasks with their own resources or a routing history: each needs its own verdict."""
         query = (
             sa.select(T)
-            .where(T.c.state == TaskState.QUEUED.value, sa.or_(T.c.resources.is_not(None), T.c.routing.is_not(None)))
+            .where(
+                T.c.state == TaskState.QUEUED.value,
+                sa.or_(T.c.resources.is_not(None), T.c.routing.is_not(None)),
+            )
             .limit(limit)
         )
         with self._read() as conn:
             return [_task(r) for r in conn.execute(query)]
 
-    def mark_servable(self, capability: str, gpu_mode: str, servable: bool, now: float, error: dict[str, Any]) -> list[str]:
+    def mark_servable(
+        self, capability: str, gpu_mode: str, servable: bool, now: float, error: dict[str, Any]
+    ) -> list[str]:
         """For plain queued tasks of one kind: start, clear, or act on the placement-timeout clock, in SQL.
 
         Returns the ids that failed `no_capacity` (unservable for their whole `placement_timeout_s`).
@@ -218,7 +223,9 @@ class SqlStore:
         failed: list[str] = []
         with self._write() as conn:
             if servable:
-                conn.execute(T.update().where(*kind, T.c.unservable_since.is_not(None)).values(unservable_since=None))
+                conn.execute(
+                    T.update().where(*kind, T.c.unservable_since.is_not(None)).values(unservable_since=None)
+                )
                 return failed
             conn.execute(T.update().where(*kind, T.c.unservable_since.is_(None)).values(unservable_since=now))
             due = (*kind, T.c.unservable_since + T.c.placement_timeout_s <= now)
@@ -247,7 +254,9 @@ class SqlStore:
                 out.setdefault(cap, {})[state] = n
         return out
 
-    def update_tasks(self, changes: Sequence[tuple[str, Sequence[TaskState], int | None, dict[str, Any]]]) -> list[str]:
+    def update_tasks(
+        self, changes: Sequence[tuple[str, Sequence[TaskState], int | None, dict[str, Any]]]
+    ) -> list[str]:
         """Apply conditional updates in one transaction: (task id, allowed states, attempts or None, values).
 
         Returns the ids whose condition held. This is the only way task state changes.
@@ -281,7 +290,9 @@ class SqlStore:
         with self._read() as conn:
             return [_worker(r) for r in conn.execute(_ALL_WORKERS if include_gone else _LIVE_WORKERS)]
 
-    def update_worker(self, worker_id: str, states: Sequence[WorkerState] | None = None, **values: Any) -> bool:
+    def update_worker(
+        self, worker_id: str, states: Sequence[WorkerState] | None = None, **values: Any
+    ) -> bool:
         query = W.update().where(W.c.id == worker_id)
         if states is not None:
             query = query.where(W.c.state.in_([s.value for s in states]))
@@ -293,7 +304,9 @@ class SqlStore:
     def insert_token(self, token_id: str, token_hash: str, role: str, tenant: str, created_at: float) -> None:
         with self._write() as conn:
             conn.execute(
-                schema.tokens.insert().values(id=token_id, hash=token_hash, role=role, tenant=tenant, created_at=created_at)
+                schema.tokens.insert().values(
+                    id=token_id, hash=token_hash, role=role, tenant=tenant, created_at=created_at
+                )
             )
 
     def find_token(self, token_hash: str) -> dict[str, Any] | None:
@@ -309,7 +322,9 @@ class SqlStore:
     def revoke_token(self, token_id: str, now: float) -> bool:
         tok = schema.tokens
         with self._write() as conn:
-            query = tok.update().where(tok.c.id == token_id, tok.c.revoked_at.is_(None)).values(revoked_at=now)
+            query = (
+                tok.update().where(tok.c.id == token_id, tok.c.revoked_at.is_(None)).values(revoked_at=now)
+            )
             return bool(conn.execute(query).rowcount)
 
     def count_tokens(self) -> int:
@@ -341,7 +356,9 @@ class SqlStore:
             query = sa.select(sa.func.coalesce(sa.func.max(ev.c.seq), 0)).where(ev.c.task_id == task_id)
             return int(conn.execute(query).scalar_one())
 
-    def read_events(self, task_id: str, after: int = 0, limit: int = 1000) -> list[tuple[int, float, dict[str, Any]]]:
+    def read_events(
+        self, task_id: str, after: int = 0, limit: int = 1000
+    ) -> list[tuple[int, float, dict[str, Any]]]:
         ev = schema.events
         query = (
             sa.select(ev.c.seq, ev.c.ts, ev.c.body)
@@ -359,7 +376,8 @@ class SqlStore:
             return
         with self._write() as conn:
             conn.execute(
-                schema.audit.insert(), [{"ts": ts, "kind": k, "tenant": tn, "body": b} for ts, k, tn, b in records]
+                schema.audit.insert(),
+                [{"ts": ts, "kind": k, "tenant": tn, "body": b} for ts, k, tn, b in records],
             )
 
     def list_audit(self, since: float | None = None, limit: int = 1000) -> list[dict[str, Any]]:

@@ -71,7 +71,14 @@ def python_runnables(app_ref: str, app: WorkerApplication, base_env: dict[str, s
 
 def _python_pool(app_ref: str, hv: HandlerVariant, base_env: dict[str, str]) -> ProcessPool:
     def factory(key: tuple[str, ...]) -> ProtocolProcess:
-        argv = [sys.executable, "-m", "turnout.worker.runner", app_ref, hv.variant.capability, hv.variant.device.value]
+        argv = [
+            sys.executable,
+            "-m",
+            "turnout.worker.runner",
+            app_ref,
+            hv.variant.capability,
+            hv.variant.device.value,
+        ]
         return ProtocolProcess(argv, {**base_env, **gpu_env(key)}, lifeline_arg=True)
 
     return ProcessPool(factory, min_processes=hv.pool.min_processes, idle_timeout_s=hv.pool.idle_timeout_s)
@@ -92,13 +99,21 @@ def grant_key(grant: dict[str, Any] | None) -> tuple[str, ...]:
 
 
 class Agent:
-    def __init__(self, settings: AgentSettings, runnables: list[Runnable], discovery: Discovery | None = None) -> None:
+    def __init__(
+        self, settings: AgentSettings, runnables: list[Runnable], discovery: Discovery | None = None
+    ) -> None:
         self.settings = settings
         self.discovery = discovery or discover(settings.gpus)
         self.devices: list[GpuDevice] = list(self.discovery.devices)
-        self.runnables = {f"{r.variant.capability}:{r.variant.device.value}": r for r in self.offered(runnables)}
-        self.watch = GpuWatch(self.discovery.provider, [d.uuid for d in self.devices],
-                              canary_command=settings.canary_command, canary_backoff_s=settings.canary_backoff_s)
+        self.runnables = {
+            f"{r.variant.capability}:{r.variant.device.value}": r for r in self.offered(runnables)
+        }
+        self.watch = GpuWatch(
+            self.discovery.provider,
+            [d.uuid for d in self.devices],
+            canary_command=settings.canary_command,
+            canary_backoff_s=settings.canary_backoff_s,
+        )
         self._shared: dict[str, SharedTask] = {}  # running tasks that hold a share of a GPU's memory
         self._stop_reason: dict[str, dict[str, Any]] = {}  # why the worker itself stopped a task
         headers = {"Authorization": f"Bearer {settings.token}"} if settings.token else {}
@@ -119,7 +134,9 @@ class Agent:
         units = units_of(self.devices)
         out = []
         for r in runnables:
-            if r.variant.device is Device.GPU and not fits_ever(GpuRequest.from_resources(r.variant.resources), units):
+            if r.variant.device is Device.GPU and not fits_ever(
+                GpuRequest.from_resources(r.variant.resources), units
+            ):
                 log.info("not offering %s on gpu: no GPU here fits it", r.variant.capability)
                 continue
             out.append(r)
@@ -179,10 +196,17 @@ class Agent:
                 resp.raise_for_status()
                 self.worker_id = resp.json()["id"]
                 self._registered.set()
-                log.info("registered as %s with %d variants, %d GPUs", self.worker_id, len(self.runnables), len(self.devices))
+                log.info(
+                    "registered as %s with %d variants, %d GPUs",
+                    self.worker_id,
+                    len(self.runnables),
+                    len(self.devices),
+                )
                 return
             except httpx.HTTPError as exc:
-                log.warning("controller not reachable at %s (%s); retrying", self.settings.controller_url, exc)
+                log.warning(
+                    "controller not reachable at %s (%s); retrying", self.settings.controller_url, exc
+                )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
@@ -203,7 +227,12 @@ class Agent:
 
     def _metrics(self) -> dict[str, Any]:
         gpus = [asdict(m) for m in self.watch.sample()] if self.devices else []
-        return {"gpus": gpus, "cpu_pct": psutil.cpu_percent(), "running": len(self.running), "ts": time.time()}
+        return {
+            "gpus": gpus,
+            "cpu_pct": psutil.cpu_percent(),
+            "running": len(self.running),
+            "ts": time.time(),
+        }
 
     def _enforce_memory_limits(self) -> None:
         """Stop each task measured above its share of GPU memory, with `gpu_memory_exceeded`."""
@@ -262,7 +291,13 @@ class Agent:
 
         try:
             if runnable is None:
-                outcome = Outcome(False, error={"type": "not_served", "message": f"{lease['capability']} on {lease['device']} is not served here"})
+                outcome = Outcome(
+                    False,
+                    error={
+                        "type": "not_served",
+                        "message": f"{lease['capability']} on {lease['device']} is not served here",
+                    },
+                )
             else:
                 key = grant_key(lease.get("gpus"))
                 proc = await runnable.pool.acquire(key, task_id)
@@ -286,7 +321,9 @@ class Agent:
             outcome = Outcome(False, error=reason)
         except Exception as exc:
             log.exception("task %s could not run", task_id)
-            outcome = Outcome(False, error={"type": "worker_error", "message": f"{type(exc).__name__}: {exc}"})
+            outcome = Outcome(
+                False, error={"type": "worker_error", "message": f"{type(exc).__name__}: {exc}"}
+            )
         self.running.pop(task_id, None)
         self._completions.append({
             "task_id": task_id, "attempt": attempt, "status": "succeeded" if outcome.succeeded else "failed",
@@ -320,7 +357,9 @@ class Agent:
         while buf:
             batch = buf[:5000]
             try:
-                resp = await self.http.post(f"/v1/workers/{self.worker_id}/{path}", json={key: batch}, timeout=30)
+                resp = await self.http.post(
+                    f"/v1/workers/{self.worker_id}/{path}", json={key: batch}, timeout=30
+                )
                 resp.raise_for_status()
                 del buf[: len(batch)]
             except httpx.HTTPError as exc:

@@ -79,7 +79,10 @@ class WorkerApplication:
             hv = HandlerVariant(Variant(name, device, resources), fn,
                                 PoolSettings(min_processes, max_processes, idle_timeout_s))  # fmt: skip
             if hv.key in self.variants:
-                raise InvalidInput(f"{name}: a {device.value} variant is already defined in app {self.name}", field="capability")
+                raise InvalidInput(
+                    f"{name}: a {device.value} variant is already defined in app {self.name}",
+                    field="capability",
+                )
             self.variants[hv.key] = hv
             return fn
 

@@ -74,7 +74,12 @@ class GpuWatch:
             log.warning("GPU metrics failed: %s", exc)
             self.last = []
         for change in self.tracker.update(self.last, now):
-            log.warning("GPU %s %s: %s", change.uuid, "back in service" if change.healthy else "quarantined", change.reason)
+            log.warning(
+                "GPU %s %s: %s",
+                change.uuid,
+                "back in service" if change.healthy else "quarantined",
+                change.reason,
+            )
         for uuid in self.tracker.canary_due(now):
             ok = run_canary(uuid, self.canary_command, provider=self.provider)
             for change in self.tracker.record_canary(uuid, ok, time.monotonic()):

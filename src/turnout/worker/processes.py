@@ -48,10 +48,14 @@ class ProtocolProcess:
         self.argv = list(argv)
         self.env = env
         self.cwd = cwd
-        self.lifeline_arg = lifeline_arg  # append "<worker pid> <lifeline fd>" to argv (the runner, the guard)
+        self.lifeline_arg = (
+            lifeline_arg  # append "<worker pid> <lifeline fd>" to argv (the runner, the guard)
+        )
         self.default_timeout_s = default_timeout_s  # for tasks that set no timeout of their own
         self.one_task = one_task  # close stdin after the task's line: a one-off program may read to EOF
-        self.cleanup_argv = list(cleanup_argv or [])  # run when killed alive, for what outlives the group (a container)
+        self.cleanup_argv = list(
+            cleanup_argv or []
+        )  # run when killed alive, for what outlives the group (a container)
         self.proc: asyncio.subprocess.Process | None = None
         self._lifeline_w: int | None = None
         self._group_gone = False  # its group was killed after the leader exited; the pgid may be reused now
@@ -168,7 +172,13 @@ class ProtocolProcess:
             try:
                 raw = await self.proc.stdout.readline()
             except (ValueError, asyncio.LimitOverrunError):
-                sink({"event": "log", "stream": "stdout", "line": "(line longer than the protocol limit dropped)"})
+                sink(
+                    {
+                        "event": "log",
+                        "stream": "stdout",
+                        "line": "(line longer than the protocol limit dropped)",
+                    }
+                )
                 continue
             if not raw:
                 return await self._exited(started)
@@ -207,8 +217,12 @@ class ProtocolProcess:
                 await asyncio.wait_for(asyncio.shield(self._stderr_task), 1.0)
         self.kill()  # whatever it left behind in its group goes too
         tail = "\n".join(self._stderr_tail)
-        message = f"the process exited with code {code} before finishing" + (f"; last stderr:\n{tail}" if tail else "")
-        return Outcome(False, error={"type": "process_exited", "message": message, "exit_code": code}, started_at=started)
+        message = f"the process exited with code {code} before finishing" + (
+            f"; last stderr:\n{tail}" if tail else ""
+        )
+        return Outcome(
+            False, error={"type": "process_exited", "message": message, "exit_code": code}, started_at=started
+        )
 
     def kill(self) -> None:
         """SIGKILL the whole process group (the child and anything it forked)."""
@@ -257,7 +271,9 @@ class ProcessPool:
     Idle processes above `min_processes` exit after `idle_timeout_s`, freeing the memory their model held.
     """
 
-    def __init__(self, factory: ProcessFactory, *, min_processes: int = 0, idle_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, factory: ProcessFactory, *, min_processes: int = 0, idle_timeout_s: float = 60.0
+    ) -> None:
         self.factory = factory
         self.min_processes = min_processes
         self.idle_timeout_s = idle_timeout_s

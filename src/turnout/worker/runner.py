@@ -23,7 +23,9 @@ from turnout.worker import lifeline
 
 def _error(exc: BaseException) -> dict[str, Any]:
     text = f"{type(exc).__name__}: {exc}"
-    oom = "out of memory" in text.lower() and ("cuda" in text.lower() or type(exc).__name__ == "OutOfMemoryError")
+    oom = "out of memory" in text.lower() and (
+        "cuda" in text.lower() or type(exc).__name__ == "OutOfMemoryError"
+    )
     return {
         "type": "gpu_oom" if oom else "handler_error",
         "message": text,
@@ -66,7 +68,9 @@ def main(argv: list[str]) -> int:
         hv = app.variants[f"{capability}:{device}"]
         torch_device = "cuda:0" if device == "gpu" and os.environ.get("CUDA_VISIBLE_DEVICES") else "cpu"
         if app.setup_fn is not None:
-            send({"event": "worker", "status": "loading", "message": f"setup of {app.name} on {torch_device}"})
+            send(
+                {"event": "worker", "status": "loading", "message": f"setup of {app.name} on {torch_device}"}
+            )
             app.setup_fn(torch_device)
             _limit_torch_memory()
     except Exception as exc:
@@ -87,7 +91,9 @@ def main(argv: list[str]) -> int:
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 send({"event": "finish", "status": "failed", "error": _error(exc)})
                 return 1
-            send({"event": "finish", "status": "failed", "error": _error(exc), "run_s": time.time() - started})
+            send(
+                {"event": "finish", "status": "failed", "error": _error(exc), "run_s": time.time() - started}
+            )
     return 0
 
 
