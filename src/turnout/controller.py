@@ -21,6 +21,7 @@ from turnout.errors import Conflict, NotFound
 from turnout.gpu.allocation import (
     GpuGrant,
     add_grant,
+    gpu_units_of,
 )
 from turnout.models import (
     ACTIVE_STATES,
@@ -271,7 +272,7 @@ class Controller:
                     **grant.to_dict(),
                     "unit_memory_bytes": min(u.memory_bytes for u in room.units if u.uuid in grant.uuids),
                 }
-                alloc["gpu_share"] = placement.gpu_share(grant, room.units)
+                alloc["gpu_share"] = gpu_units_of(grant, room.units)
             kept = {k: v for k, v in (task.routing or {}).items() if k in ("avoid_gpus", "last_error")}
             routing = {
                 **kept,

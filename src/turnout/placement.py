@@ -12,7 +12,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from turnout.errors import InvalidInput
-from turnout.gpu.allocation import GpuGrant, GpuRequest, Strategy, allocate, fits_ever, usage_from_grants
+from turnout.gpu.allocation import (
+    GpuGrant,
+    GpuRequest,
+    Strategy,
+    allocate,
+    fits_ever,
+    usage_from_grants,
+)
 from turnout.gpu.devices import GpuDevice, GpuUnit, MigDevice, units_of
 from turnout.gpu.policies import Host, PlacementIndex, make_policy, typical_mix
 from turnout.models import Device, Task, Variant, Worker
@@ -156,11 +163,3 @@ def strategy_of(name: str) -> Strategy:
         return Strategy(name)
     except ValueError:
         raise InvalidInput(f"strategy: {name!r} is not pack or spread", field="strategy") from None
-
-
-def gpu_share(grant: GpuGrant, units: Sequence[GpuUnit]) -> float:
-    """How many GPUs' worth a grant holds: whole units count 1 each, a shared one its memory fraction."""
-    if grant.exclusive:
-        return float(len(grant.uuids))
-    total = sum(u.memory_bytes for u in units if u.uuid in grant.uuids)
-    return grant.memory_bytes / total if total else 1.0

@@ -316,3 +316,13 @@ def usage_from_grants(grants: Iterable[tuple[GpuGrant, str | None]]) -> dict[str
     for grant, workload in grants:
         _hold(usage, grant, workload)
     return usage
+
+
+def gpu_units_of(grant: GpuGrant | None, units: Sequence[GpuUnit]) -> float:
+    """How many GPUs' worth a grant holds: whole units count 1 each, a share its fraction of the unit's memory."""
+    if grant is None:
+        return 0.0
+    if grant.exclusive:
+        return float(len(grant.uuids))
+    total = sum(u.memory_bytes for u in units if u.uuid in grant.uuids)
+    return grant.memory_bytes / total if total else 1.0

@@ -35,6 +35,7 @@ from turnout.gpu.allocation import (
     Strategy,
     add_grant,
     allocate,
+    gpu_units_of,
     model_rank,
     need_bytes,
 )
@@ -230,16 +231,6 @@ class _Base:
         return 0.0
 
 
-def _gpu_units_of(grant: GpuGrant | None, units: Sequence[GpuUnit]) -> float:
-    """How much GPU the grant takes, in GPUs (a share counts as its fraction of the unit)."""
-    if grant is None:
-        return 0.0
-    by_uuid = {u.uuid: u for u in units}
-    return sum(
-        grant.memory_bytes / by_uuid[x].memory_bytes if not grant.exclusive else 1.0 for x in grant.uuids
-    )
-
-
 class RandomPolicy(_Base):
     """Uniform over feasible nodes (the index draws the node) and over the units that fit."""
 
@@ -277,7 +268,7 @@ class BestFitPolicy(_Base):
     ) -> float:
         gpu_left = sum(_left_ppm(u, usage.get(u.uuid, _EMPTY)) for u in units) / PPM
         left = (host.cpu_free - request.cpu) / _CPU_SCALE * 0.5 + (
-            gpu_left - _gpu_units_of(grant, units)
+            gpu_left - gpu_units_of(grant, units)
         ) / _GPU_SCALE * 0.5
         return float(int((1 - left) * 100))
 

@@ -82,22 +82,20 @@ class SqlStore:
             finally:
                 self._local.conn = None
 
-    @contextlib.contextmanager
-    def _write(self) -> Iterator[sa.Connection]:
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            yield conn
-            return
-        with self.engine.begin() as own:
-            yield own
+    def _write(self) -> contextlib.AbstractContextManager[sa.Connection]:
+        return self._connection(write=True)
+
+    def _read(self) -> contextlib.AbstractContextManager[sa.Connection]:
+        return self._connection(write=False)
 
     @contextlib.contextmanager
-    def _read(self) -> Iterator[sa.Connection]:
+    def _connection(self, *, write: bool) -> Iterator[sa.Connection]:
+        """Inside `group()`, the group's connection; else a transaction of our own (committed if `write`)."""
         conn = getattr(self._local, "conn", None)
         if conn is not None:
             yield conn
             return
-        with self.engine.connect() as own:
+        with self.engine.begin() if write else self.engine.connect() as own:
             yield own
 
     # ---- tasks -------------------------------------------------------------------------------
