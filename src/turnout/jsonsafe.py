@@ -12,44 +12,66 @@ import math
 from typing import Any
 
 MAX_DEPTH = 64
+_TOO_LONG_INT = (
+    10**4000
+)  # Python refuses to write ints of more than 4,300 digits (sys.get_int_max_str_digits)
 
 
 def problem(value: Any, path: str = "") -> tuple[str, str] | None:
-    """The first place in `value` that strict JSON cannot carry, as (path, why); None when all is well.
+    """The first place in `value`, in document order, that strict JSON cannot carry, as (path, why); None
+    when all is well.
 
-    Paths read as users write them: `output.items.3.score`. Walks iteratively: a hostile value may be deep.
+    Paths read as users write them (`output.items.3.score`) and are always writable text themselves: a bad
+    key is named with its bad characters escaped. Walks iteratively: a hostile value may be deep.
     """
-    stack: list[tuple[Any, str, int]] = [(value, path, 0)]
+    root: tuple[str, ...] = (path,) if path else ()
+    # (is_key, item, path, depth): a key is checked just before the value it names, so order is the document's
+    stack: list[tuple[bool, Any, tuple[str, ...], int]] = [(False, value, root, 0)]
     while stack:
-        item, where, depth = stack.pop()
-        if isinstance(item, str):
-            why = _bad_text(item)
-            if why:
-                return where or "value", why
-        elif isinstance(item, bool) or item is None or isinstance(item, int):
+        is_key, item, where, depth = stack.pop()
+        if is_key:
+            if not isinstance(item, str):
+                return _render(where[:-1]), f"key {item!r} is not a string"
+            bad = _bad_text(item)
+            if bad:
+                return _render(where), f"key {bad}"
             continue
-        elif isinstance(item, float):
-            if not math.isfinite(item):
-                return where or "value", f"{item!r} is not a JSON number (NaN and Infinity have no JSON form)"
-        elif isinstance(item, dict):
-            if depth >= MAX_DEPTH:
-                return where or "value", f"nested deeper than {MAX_DEPTH} levels"
+        why = _problem_here(item, depth)
+        if why:
+            return _render(where), why
+        if isinstance(item, dict):
             for key, sub in reversed(list(item.items())):
-                if not isinstance(key, str):
-                    return where or "value", f"key {key!r} is not a string"
-                sub_path = f"{where}.{key}" if where else key
-                why = _bad_text(key)
-                if why:
-                    return sub_path, f"key {why}"
-                stack.append((sub, sub_path, depth + 1))
+                stack.append((False, sub, (*where, str(key)), depth + 1))
+                stack.append((True, key, (*where, key), depth + 1))
         elif isinstance(item, list | tuple):
-            if depth >= MAX_DEPTH:
-                return where or "value", f"nested deeper than {MAX_DEPTH} levels"
             for i in range(len(item) - 1, -1, -1):
-                stack.append((item[i], f"{where}.{i}" if where else str(i), depth + 1))
-        else:
-            return where or "value", f"a {type(item).__name__} is not a JSON value"
+                stack.append((False, item[i], (*where, str(i)), depth + 1))
     return None
+
+
+def _problem_here(item: Any, depth: int) -> str | None:
+    """What is wrong with this one value itself (not with what it holds)."""
+    if isinstance(item, str):
+        return _bad_text(item)
+    if isinstance(item, bool) or item is None:
+        return None
+    if isinstance(item, int):
+        return "an integer too long to write as JSON" if abs(item) >= _TOO_LONG_INT else None
+    if isinstance(item, float):
+        return (
+            None
+            if math.isfinite(item)
+            else f"{item!r} is not a JSON number (NaN and Infinity have no JSON form)"
+        )
+    if isinstance(item, dict | list | tuple):
+        return f"nested deeper than {MAX_DEPTH} levels" if depth >= MAX_DEPTH else None
+    return f"a {type(item).__name__} is not a JSON value"
+
+
+def _render(parts: tuple[str, ...]) -> str:
+    if not parts:
+        return "value"
+    return ".".join(p.encode("utf-8", "backslashreplace").decode("utf-8") for p in parts)
 
 
 def _bad_text(text: str) -> str | None:

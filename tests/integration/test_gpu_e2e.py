@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 
 from tests.conftest import Cluster
@@ -14,6 +16,32 @@ APP = "tests.apps.testapp:app"
 
 def _worker(cluster: Cluster, name: str) -> dict:
     return next(w for w in cluster.api("GET", "/v1/workers").json()["workers"] if w["name"] == name)
+
+
+def _heartbeats(cluster: Cluster, name: str, count: int, showing: Callable[[dict], bool],
+                timeout_s: float = 30) -> list[dict]:  # fmt: skip
+    """The worker as the controller recorded it after each of `count` distinct heartbeats that satisfy `showing`.
+
+    Polled with a deadline. A poll may miss a beat, but every beat returned is a real one: each has its own
+    `last_heartbeat`, and that heartbeat carried the metrics and quarantine list shown with it.
+    """
+    beats: dict[str, dict] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(beats) < count:
+        assert time.monotonic() < deadline, f"{len(beats)} of {count} heartbeats from {name} in {timeout_s} s"
+        worker = _worker(cluster, name)
+        if showing(worker):
+            beats.setdefault(worker["last_heartbeat"], worker)
+        time.sleep(0.1)
+    return list(beats.values())
+
+
+def _gpu0_reports_xid(xid: list[int]) -> Callable[[dict], bool]:
+    return lambda worker: (worker["gpus"][0]["metrics"] or {}).get("xid_errors") == xid
+
+
+def _after(iso_time: str) -> Callable[[dict], bool]:
+    return lambda worker: datetime.fromisoformat(worker["last_heartbeat"]) > datetime.fromisoformat(iso_time)
 
 
 def test_gpu_oom_is_retried_on_another_gpu_not_the_same_one(cluster: Cluster) -> None:
@@ -52,9 +80,10 @@ def test_a_hardware_fault_quarantines_the_gpu_until_a_canary_passes(cluster: Clu
     while not _worker(cluster, "faulty")["gpus"][0]["quarantined"] and time.monotonic() < deadline:
         time.sleep(0.2)
     assert "bus" in _worker(cluster, "faulty")["gpus"][0]["quarantined"]
-    # nothing new is placed on it: a GPU-only task waits (no_capacity after its placement timeout)
+    # nothing new is placed on it: a GPU-only task still waits through two more heartbeats of the quarantine
     waiting = cluster.submit("gpuonly", {}, gpu="require", placement_timeout_s=60)
-    time.sleep(1.5)
+    beats = _heartbeats(cluster, "faulty", 2, _after(waiting["created_at"]))
+    assert all("bus" in (b["gpus"][0]["quarantined"] or "") for b in beats), beats
     assert cluster.api("GET", f"/v1/tasks/{waiting['id']}").json()["state"] == "queued"
     # the fault clears; the canary passes; the GPU comes back and the task runs
     write_fake_state(state, "GPU-fake-0", xid=[], fell_off_bus=False)
@@ -69,9 +98,11 @@ def test_an_application_xid_does_not_quarantine(cluster: Cluster, tmp_path: Path
     write_fake_state(
         state, "GPU-fake-0", xid=[31]
     )  # an illegal address in one program: not the device's fault
-    time.sleep(3 * cluster.heartbeat_s)
-    assert not _worker(cluster, "appfault")["gpus"][0]["quarantined"]
-    assert cluster.result(cluster.submit("gpuonly", {}, gpu="require")["id"])["state"] == "succeeded"
+    # three heartbeats that carried the Xid (so the worker's health check saw it) and, with it, no quarantine
+    beats = _heartbeats(cluster, "appfault", 3, _gpu0_reports_xid([31]))
+    assert [(b["state"], b["gpus"][0]["quarantined"]) for b in beats] == [("healthy", None)] * 3
+    done = cluster.result(cluster.submit("gpuonly", {}, gpu="require")["id"])
+    assert (done["state"], done["device"], done["gpus"]) == ("succeeded", "gpu", ["GPU-fake-0"]), done
 
 
 def test_turnout_gpus_lists_fake_gpus_with_mig_devices(cluster: Cluster) -> None:

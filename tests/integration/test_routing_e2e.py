@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from tests.conftest import Cluster
 
 APP = "tests.apps.testapp:app"
@@ -45,16 +47,31 @@ def test_require_without_a_gpu_worker_fails_no_capacity_after_placement_timeout(
     assert done["attempts"] == 0
 
 
+def _running(cluster: Cluster, task_id: str, timeout_s: float = 20) -> dict:
+    """The task once a worker runs it (polled with a deadline); it may pass through queued and leased only."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        task = cluster.api("GET", f"/v1/tasks/{task_id}").json()
+        if task["state"] == "running":
+            return task
+        assert task["state"] in ("queued", "leased"), task
+        assert time.monotonic() < deadline, f"task not running after {timeout_s} s: {task}"
+        time.sleep(0.05)
+
+
 def test_prefer_waits_for_a_busy_gpu_then_falls_back_after_gpu_wait_s(cluster: Cluster) -> None:
     cluster.start_worker(APP, gpus="fake:1x24Gi", name="gpu", extra=["--cpus", "1"])
     cluster.start_worker(APP, gpus="none", name="cpu")
-    busy = cluster.submit("work", {"sleep": 4}, gpu="require")
-    cluster.result(busy["id"], wait=0)
+    workers = {w["name"]: w["id"] for w in cluster.api("GET", "/v1/workers").json()["workers"]}
+    busy = _running(cluster, cluster.submit("work", {"sleep": 10}, gpu="require")["id"])
+    assert (busy["worker"], busy["device"]) == (workers["gpu"], "gpu")  # the only GPU is taken
     waiting = cluster.submit("work", {}, gpu="prefer", gpu_wait_s=1)
     done = cluster.result(waiting["id"], wait=20)
     assert done["state"] == "succeeded"
-    assert done["device"] == "cpu"
+    assert (done["device"], done["worker"]) == ("cpu", workers["cpu"])
     assert done["routing"]["reason"].startswith("gpu queue wait")
+    assert done["queue_s"] >= 1.0  # it waited gpu_wait_s for the GPU before falling back
+    assert cluster.api("POST", f"/v1/tasks/{busy['id']}/cancel").status_code == 200  # no need to sit it out
 
 
 def test_gpu_only_capability_with_prefer_waits_for_gpu_worker_that_arrives_later(cluster: Cluster) -> None:

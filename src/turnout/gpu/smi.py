@@ -5,13 +5,15 @@ Parsers are pure functions on the tool's text, tested on real captures:
 (cheap readings for each heartbeat) and `nvidia-smi -L` (the only output naming MIG devices' UUIDs and
 profiles). Values nvidia-smi cannot give (`N/A`, `[Not Supported]`, deprecated fields, WDDM on Windows,
 MIG children) become None. Output that is truncated or is not what was asked raises ProviderError, so
-discovery moves on. Running the tool is separate and injectable (`SmiProvider(run=...)`).
+discovery moves on. Running the tool is separate and injectable (`SmiProvider(run=...)`); how sampling
+degrades when a query fails is told on `SmiProvider`.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import logging
 import re
 import subprocess
 import xml.etree.ElementTree as ET
@@ -23,6 +25,7 @@ from turnout.gpu.devices import GpuDevice, GpuMetrics, GpuProcess, MigDevice
 from turnout.gpu.health import FELL_OFF_BUS, HEALTH_OK, NOT_ANSWERING
 from turnout.gpu.provider import ProviderError
 
+_LOG = logging.getLogger("turnout.gpu")
 _MIB = 1024**2
 _MISSING = {"", "n/a", "[n/a]", "not supported", "[not supported]", "unknown error", "[unknown error]",
             "requested functionality has been deprecated", "[requested functionality has been deprecated]",
@@ -152,6 +155,18 @@ def metrics_from_csv(rows: Sequence[dict[str, str | None]]) -> list[GpuMetrics]:
 METRIC_FIELDS = ("uuid", "utilization.gpu", "memory.used", "temperature.gpu", "power.draw",
                  "ecc.errors.uncorrected.volatile.total")  # fmt: skip
 
+# nvidia-smi refuses a whole query for one field its driver does not know: exit 2, empty stderr, and on stdout
+# `Field "device_minor" is not a valid field to query.` (Windows builds print curly quotes).
+_UNKNOWN_FIELD = re.compile(
+    r"Field\s+[\"'\u201c\u201d]?([^\s\"'\u201c\u201d]+)[\"'\u201c\u201d]?\s+is not a valid field"
+)
+
+
+def unknown_field(message: str) -> str | None:
+    """The field nvidia-smi named as not valid to query, or None when the failure was something else."""
+    match = _UNKNOWN_FIELD.search(message)
+    return match.group(1) if match else None
+
 
 # -- nvidia-smi -q -x ---------------------------------------------------------------------------------------------
 
@@ -274,7 +289,21 @@ def run_command(argv: Sequence[str], timeout_s: float = 15.0) -> str:
 
 
 class SmiProvider:
-    """GpuProvider over `nvidia-smi`: `-q -x` (+ `-L` for MIG, + a compute_cap query) once, a CSV query per sample."""
+    """GpuProvider over `nvidia-smi`: `-q -x` (+ `-L` for MIG, + a compute_cap query) once, a CSV query per sample.
+
+    A failing sample query degrades the readings instead of losing them all:
+
+    - A field the driver does not know (fields come and go between driver releases) is dropped for the life of
+      the provider and the query is asked again at once, so the other readings are kept and the dropped one
+      reads None. One retry per unknown field, once; asking each field in its own process instead would cost
+      six processes on every heartbeat to guard against a failure that happens once.
+    - Any other failure (garbage, a header with no rows, `uuid` itself refused) takes that sample from a fresh
+      `-q -x`, processes included; the CSV is tried again on the next sample. Fresh, not the discovery-time
+      XML: a stale reading would keep reporting a GPU that has since fallen off the bus as fine.
+
+    Each reason is logged once (later repeats at debug). `metrics()` raises only when `-q -x` fails too: then
+    the tool cannot answer at all, and the caller rightly counts a missed sample.
+    """
 
     name = "smi"
 
@@ -282,6 +311,8 @@ class SmiProvider:
         self._run = run
         self._bin = binary
         self._uuids: list[str] | None = None
+        self._fields: tuple[str, ...] = METRIC_FIELDS  # shrinks when the driver refuses a field
+        self._warned: set[str] = set()
 
     def devices(self) -> list[GpuDevice]:
         text = self._run([self._bin, "-q", "-x"])
@@ -299,11 +330,19 @@ class SmiProvider:
         return {uuid: cap for row in rows if (uuid := row.get("uuid")) and (cap := row.get("compute_cap"))}
 
     def metrics(self) -> list[GpuMetrics]:
-        query = f"--query-gpu={','.join(METRIC_FIELDS)}"
-        readings = {
-            m.uuid: m
-            for m in metrics_from_csv(parse_query_csv(self._run([self._bin, query, "--format=csv,nounits"])))
-        }
+        try:
+            readings = self._csv_metrics()
+        except ProviderError as exc:
+            self._warn_once(
+                "csv", "nvidia-smi sample query failed (%s); readings come from nvidia-smi -q -x", exc
+            )
+            readings = metrics_from_xml(self._run([self._bin, "-q", "-x"]))
+        by_uuid = {m.uuid: m for m in readings}
+        known = self._uuids if self._uuids is not None else list(by_uuid)
+        return [by_uuid.get(u) or GpuMetrics(u, health=NOT_ANSWERING) for u in known]
+
+    def _csv_metrics(self) -> list[GpuMetrics]:
+        readings = metrics_from_csv(parse_query_csv(self._query_gpu()))
         apps = [self._bin, "--query-compute-apps=gpu_uuid,pid,used_memory", "--format=csv,nounits"]
         procs = self._optional(lambda: parse_query_csv(self._run(apps), min_rows=0)) or []
         by_gpu: dict[str, list[GpuProcess]] = {}
@@ -313,13 +352,27 @@ class SmiProvider:
                 by_gpu.setdefault(gpu, []).append(
                     GpuProcess(int(pid), mib_bytes(row.get("used_memory")) or 0)
                 )
-        known = self._uuids if self._uuids is not None else list(readings)
-        return [
-            replace(readings[u], processes=tuple(by_gpu.get(u, ())))
-            if u in readings
-            else GpuMetrics(u, health=NOT_ANSWERING)
-            for u in known
-        ]
+        return [replace(m, processes=tuple(by_gpu.get(m.uuid, ()))) for m in readings]
+
+    def _query_gpu(self) -> str:
+        """The sample CSV, asked again without each field the driver refuses. A refused `uuid` is dropped
+        too; the rows then fail `metrics_from_csv`, which sends the sample to `-q -x` like any other failure."""
+        while True:
+            try:
+                return self._run([self._bin, f"--query-gpu={','.join(self._fields)}", "--format=csv,nounits"])
+            except ProviderError as exc:
+                refused = unknown_field(str(exc))
+                if refused is None or refused not in self._fields:
+                    raise
+                self._fields = tuple(f for f in self._fields if f != refused)
+                self._warn_once(
+                    f"field {refused}", "nvidia-smi cannot query %s here; sampling without it", refused
+                )
+
+    def _warn_once(self, key: str, message: str, *args: object) -> None:
+        level = logging.DEBUG if key in self._warned else logging.WARNING
+        self._warned.add(key)
+        _LOG.log(level, message, *args)
 
     @staticmethod
     def _optional(call: Callable[[], T]) -> T | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -11,6 +13,7 @@ from nvidia_paths import NVIDIA_FIXTURES, cut_mid_line, nvidia_samples
 from turnout.gpu.health import FELL_OFF_BUS, NOT_ANSWERING
 from turnout.gpu.provider import ProviderError, discover
 from turnout.gpu.smi import (
+    METRIC_FIELDS,
     SmiProvider,
     devices_from_xml,
     metrics_from_csv,
@@ -19,6 +22,7 @@ from turnout.gpu.smi import (
     number,
     parse_list,
     parse_query_csv,
+    unknown_field,
 )
 
 MIB = 1024**2
@@ -245,18 +249,20 @@ def test_a_lost_gpu_in_the_query_reads_as_fallen_off_the_bus() -> None:
 
 
 class _Runner:
-    """Answers nvidia-smi command lines from canned outputs; a missing answer is a failed command."""
+    """Answers nvidia-smi command lines from canned outputs; a missing answer is a failed command, and an
+    answer that is a ProviderError is raised (as `run_command` raises for a non-zero exit)."""
 
-    def __init__(self, answers: dict[str, str]) -> None:
+    def __init__(self, answers: dict[str, str | ProviderError]) -> None:
         self.answers = answers
         self.seen: list[str] = []
 
     def __call__(self, argv: Sequence[str]) -> str:
         key = argv[1].split("=")[0]
         self.seen.append(key)
-        if key not in self.answers:
-            raise ProviderError(f"{argv[1]} failed")
-        return self.answers[key]
+        answer = self.answers.get(key, ProviderError(f"{argv[1]} failed"))
+        if isinstance(answer, ProviderError):
+            raise answer
+        return answer
 
 
 def test_provider_merges_xml_listing_and_compute_capability_and_samples_by_csv() -> None:
@@ -279,9 +285,8 @@ def test_provider_merges_xml_listing_and_compute_capability_and_samples_by_csv()
     (reading,) = provider.metrics()
     assert (reading.utilization_pct, reading.memory_used_bytes, reading.temperature_c) == (None, 50 * MIB, 27)
     assert [(p.pid, p.used_memory_bytes) for p in reading.processes] == [(4242, 1024 * MIB)]
-    run.answers["--query-gpu"] = "uuid, utilization.gpu\n"
-    with pytest.raises(ProviderError):
-        provider.metrics()  # a header and no rows: something is wrong with the tool
+    run.answers["--query-gpu"] = "uuid, utilization.gpu\n"  # a header and no rows: the CSV cannot be trusted
+    assert provider.metrics() == metrics_from_xml(xml)
 
 
 def test_provider_marks_a_gpu_missing_from_the_sample_as_not_answering() -> None:
@@ -307,3 +312,159 @@ def test_missing_binary_and_truncated_output_make_discovery_move_on(caplog: pyte
     assert [(name, "not found" in why or "truncated" in why) for name, why in found.tried] == [
         ("smi", True), ("smi-truncated", True)]  # fmt: skip
     assert len([r for r in caplog.records if "smi-truncated" in r.getMessage()]) == 1
+
+
+# -- a sample query that fails -------------------------------------------------------------------------------------
+# Real nvidia-smi, asked for a field its driver does not know, exits 2 with an empty stderr and prints on stdout
+# `Field "device_minor" is not a valid field to query.` and a blank line (CoHDI/composable-resource-operator#37);
+# a Windows build was quoted with curly quotes (influxdata/telegraf#6573).
+
+V100S = NVIDIA_FIXTURES / "smi-xml" / "8x-tesla-v100s-pcie-32gb-460.73.01.xml"
+
+
+@pytest.mark.parametrize(
+    ("message", "field"),
+    [
+        ('Field "device_minor" is not a valid field to query.', "device_minor"),
+        (
+            'nvidia-smi --query-gpu=uuid,power.draw.instant exited 2: Field "power.draw.instant" is not a valid '
+            "field to query.",
+            "power.draw.instant",
+        ),
+        (
+            "Field \u201cencoder.stats.sessionCount\u201d is not a valid field to query.",
+            "encoder.stats.sessionCount",
+        ),
+        ("Field 'compute_cap' is not a valid field to query.", "compute_cap"),
+        ("nvidia-smi --query-gpu=uuid exited 9: NVIDIA-SMI has failed because it couldn't communicate", None),
+        ("nvidia-smi query: a row has 2 fields, the header 6", None),
+    ],
+)
+def test_unknown_field_is_read_from_nvidia_smis_refusal(message: str, field: str | None) -> None:
+    assert unknown_field(message) == field
+
+
+FAKE_SMI = """#!{python}
+# nvidia-smi of a driver that knows only some --query-gpu fields; each call is appended to calls.log.
+import json, sys
+from pathlib import Path
+
+here = Path(__file__).parent
+conf = json.loads((here / "smi.json").read_text())
+with (here / "calls.log").open("a") as log:
+    log.write(" ".join(sys.argv[1:]) + "\\n")
+if sys.argv[1:3] == ["-q", "-x"]:
+    sys.stdout.write(Path(conf["xml"]).read_text())
+    sys.exit(0)
+kind, _, asked = sys.argv[1].partition("=")
+if kind == "--query-compute-apps":
+    print("gpu_uuid, pid, used_memory [MiB]")
+    sys.exit(0)
+fields = asked.split(",")
+for name in fields:
+    if name not in conf["known"]:
+        print(f'Field "{{name}}" is not a valid field to query.')
+        print()
+        sys.exit(2)
+print(", ".join(fields))
+for uuid in conf["uuids"]:
+    print(", ".join(uuid if name == "uuid" else conf["values"].get(name, "[N/A]") for name in fields))
+"""
+
+
+def test_fields_the_driver_does_not_know_are_dropped_and_the_other_readings_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given an nvidia-smi (run for real, through run_command) whose driver knows neither power.draw nor ECC
+    script = tmp_path / "nvidia-smi"
+    script.write_text(FAKE_SMI.format(python=sys.executable))
+    script.chmod(0o755)
+    uuids = [d.uuid for d in devices_from_xml(V100S.read_text())]
+    refused = ["power.draw", "ecc.errors.uncorrected.volatile.total"]
+    known = [f for f in METRIC_FIELDS if f not in refused]
+    values = {"utilization.gpu": "11", "memory.used": "512", "temperature.gpu": "41"}
+    (tmp_path / "smi.json").write_text(json.dumps({"xml": str(V100S), "uuids": uuids, "known": known,
+                                                    "values": values}))  # fmt: skip
+    provider = SmiProvider(binary=str(script))
+    assert [d.uuid for d in provider.devices()] == uuids  # compute_cap refused too: discovery goes on
+
+    # When it is sampled twice
+    first, second = provider.metrics(), provider.metrics()
+
+    # Then each sample has all eight GPUs with the CSV's readings (not the XML's 97 %), the refused ones None
+    for sample in (first, second):
+        assert [m.uuid for m in sample] == uuids
+        assert {(m.utilization_pct, m.memory_used_bytes, m.temperature_c, m.power_w, m.ecc_uncorrected,
+                 m.health) for m in sample} == {(11, 512 * MIB, 41, None, None, "ok")}  # fmt: skip
+    # the first sample asked three times, dropping one refused field each time; the second asked once
+    queries = [
+        line.split()[0].split("=")[1].split(",")
+        for line in (tmp_path / "calls.log").read_text().splitlines()
+        if line.startswith("--query-gpu=") and "compute_cap" not in line
+    ]
+    assert queries == [list(METRIC_FIELDS), [*known, refused[1]], known, known]
+    # each dropped field is logged once, by name, and no sample fell back to the XML
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert [w for w in warnings if "cannot query" in w] == [
+        f"nvidia-smi cannot query {f} here; sampling without it" for f in refused
+    ]
+    assert not [w for w in warnings if "-q -x" in w]
+
+
+CSV_FAILURES = {
+    "exit with an unrelated error": ProviderError("nvidia-smi --query-gpu=uuid exited 15: Unknown Error"),
+    "uuid itself refused": ProviderError(
+        'nvidia-smi --query-gpu=uuid exited 2: Field "uuid" is not a valid field'
+    ),
+    "no output": "",
+    "a header and no rows": "uuid, utilization.gpu [%]\n",
+    "garbage": "Segmentation fault (core dumped)\n\x00\x7f",
+    "a truncated row": "uuid, utilization.gpu [%], memory.used [MiB]\nGPU-76098dc1-d3bc-9a1b-7ea6-f7b48837829e, 9",
+}
+
+
+@pytest.mark.parametrize("failure", list(CSV_FAILURES.values()), ids=list(CSV_FAILURES))
+def test_a_sample_query_that_fails_takes_the_readings_from_the_xml(failure: str | ProviderError) -> None:
+    # Given a provider over eight V100s whose CSV sample query fails
+    xml = V100S.read_text()
+    run = _Runner({"-q": xml, "--query-gpu": failure})
+    provider = SmiProvider(run=run)
+    provider.devices()
+    run.seen.clear()
+
+    # When it is sampled
+    readings = provider.metrics()
+
+    # Then the readings are exactly what `-q -x` gives, processes included, read fresh after the CSV failed
+    assert readings == metrics_from_xml(xml) and len(readings) == 8
+    assert (readings[0].utilization_pct, readings[0].processes[0].pid) == (97, 37305)
+    assert run.seen[-1] == "-q" and "--query-gpu" in run.seen
+
+
+def test_the_xml_fallback_is_logged_once_and_the_csv_is_asked_again_next_sample(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    xml = (NVIDIA_FIXTURES / "smi-xml" / "tesla-t4-515.105.01.xml").read_text()
+    uuid = "GPU-d37e67a5-91dd-3774-a5cb-99096249601a"
+    run = _Runner({"-q": xml, "--query-gpu": "garbage\n"})
+    provider = SmiProvider(run=run)
+    provider.devices()
+    caplog.set_level("DEBUG", logger="turnout.gpu")
+    from_xml = [provider.metrics() for _ in range(3)]
+    assert from_xml == [metrics_from_xml(xml)] * 3
+    fallbacks = [r for r in caplog.records if "readings come from nvidia-smi -q -x" in r.getMessage()]
+    assert [r.levelname for r in fallbacks] == ["WARNING", "DEBUG", "DEBUG"]
+    assert "expected a header and 1+ rows" in fallbacks[0].getMessage()  # the reason is in the one warning
+    run.answers["--query-gpu"] = f"uuid, utilization.gpu [%]\n{uuid}, 3\n"  # the tool recovers
+    (reading,) = provider.metrics()
+    assert (reading.uuid, reading.utilization_pct) == (uuid, 3)
+
+
+def test_a_sample_raises_only_when_the_xml_fails_too() -> None:
+    xml = (NVIDIA_FIXTURES / "smi-xml" / "tesla-t4-515.105.01.xml").read_text()
+    run = _Runner({"-q": xml, "--query-gpu": "garbage\n"})
+    provider = SmiProvider(run=run)
+    provider.devices()
+    run.answers["-q"] = cut_mid_line(xml)
+    with pytest.raises(ProviderError, match="truncated"):
+        provider.metrics()  # the caller counts a missed sample, as it should when the tool cannot answer
