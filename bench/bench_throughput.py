@@ -57,10 +57,10 @@ NONTERMINAL = ("queued", "leased", "running")
 
 
 def _nonterminal(client: httpx.Client) -> int:
-    """Tasks not yet terminal, from `/metrics` (one indexed count per state, so cheap to poll)."""
+    """Tasks not yet terminal, from `/metrics` (queued, and leased or running)."""
     total = 0
     for line in client.get("/metrics").text.splitlines():
-        if line.startswith("turnout_tasks{"):
+        if line.startswith(("turnout_queue_depth{", "turnout_tasks_active{")):
             total += int(float(line.rsplit(" ", 1)[1]))
     return total
 

@@ -8,8 +8,11 @@ a Celery user running a benchmark would change them, and each is noted.
 from __future__ import annotations
 
 import os
+import time
 
 from celery import Celery
+
+from bench.common import log_run
 
 REDIS_URL = os.environ.get("BENCH_CELERY_REDIS", "redis://127.0.0.1:6379/15")
 
@@ -28,3 +31,13 @@ app.conf.update(
 @app.task(name="bench.noop")
 def noop(data: object = None) -> None:
     return None
+
+
+@app.task(name="bench.sleep", bind=True)
+def sleep_logged(self: object, data: dict) -> dict:
+    """The fault bench's task: the same work and run log as `bench/fault_app.py`'s `sleep`."""
+    task_id = self.request.id  # type: ignore[attr-defined]
+    log_run(data["log"], "start", task_id)
+    time.sleep(float(data["seconds"]))
+    log_run(data["log"], "end", task_id)
+    return {"n": data.get("n")}

@@ -29,6 +29,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def log_run(path: str, what: str, task_id: str) -> None:
+    """Append `what task_id pid epoch_s` to a run log (O_APPEND: one short line is written atomically)."""
+    with open(path, "a") as fh:
+        fh.write(f"{what} {task_id} {os.getpid()} {time.time():.6f}\n")
+
+
 def percentile(samples: list[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..100) of a non-empty sample."""
     ordered = sorted(samples)
@@ -110,9 +116,11 @@ class TurnoutCluster:
             raise RuntimeError(f"controller did not come up: {self.log_tail('controller')}")
         self.token = (self.tmp / "home" / "admin.token").read_text().strip()
 
-    def start_worker(self, app: str, name: str, timeout_s: float = 30) -> subprocess.Popen[bytes]:
+    def start_worker(
+        self, app: str, name: str, timeout_s: float = 30, extra: list[str] | None = None
+    ) -> subprocess.Popen[bytes]:
         argv = [sys.executable, "-m", "turnout.cli", "worker", app, "--controller", self.url, "--gpus", "none",
-                "--name", name, "--heartbeat-s", str(self.heartbeat_s)]  # fmt: skip
+                "--name", name, "--heartbeat-s", str(self.heartbeat_s), *(extra or [])]  # fmt: skip
         proc = self.procs.start(argv, self.env, self.tmp / f"worker-{name}.log")
         self.workers[name] = proc
         deadline = time.monotonic() + timeout_s
