@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test bench lint clean
+.PHONY: run test bench lint clean browser
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,8 +19,18 @@ $(VENV)/.bench: $(STAMP)
 run: $(STAMP)
 	$(BIN)/turnout up $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Debian's chromium for the dashboard's browser tests (Playwright drives it; Playwright's own browser download
+# never runs). Installed only where this host can: root with apt-get; elsewhere those tests skip and say why.
+browser:
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing Debian's chromium for the browser tests"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+			|| echo "chromium could not be installed: the browser tests will say so"; \
+	else echo "no /usr/bin/chromium and no root apt-get here: the browser tests will be skipped"; fi
 
 bench: $(VENV)/.bench
 	$(BIN)/python -m bench $(BENCH_ARGS)

@@ -21,3 +21,9 @@ def sleep(ctx: Context, data: dict[str, Any]) -> dict[str, Any]:
     time.sleep(float(data["seconds"]))
     log_run(data["log"], "end", ctx.task_id)
     return {"n": data.get("n")}
+
+
+@app.capability("sleep", gpu_memory="4Gi", cpu=1)
+def sleep_gpu(ctx: Context, data: dict[str, Any]) -> dict[str, Any]:
+    """The GPU variant: the same work, holding a 4 GiB share of a GPU while it runs."""
+    return sleep(ctx, data)

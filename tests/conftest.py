@@ -192,3 +192,13 @@ def pid_alive(pid: int) -> bool:
         if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
             return False
     return True
+
+
+FAULT_REPORTS: list[str] = []  # one line per fault-injection test, printed at the end of the run
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if FAULT_REPORTS:
+        terminalreporter.section("fault injection: what each fault left behind")
+        for line in FAULT_REPORTS:
+            terminalreporter.write_line(line)

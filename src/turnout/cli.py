@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shlex
 import signal
@@ -13,11 +12,12 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import httpx
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from turnout.config import DEFAULT_PORT
+from turnout.config import DEFAULT_PORT, parse_limit_flags
 from turnout.errors import InvalidInput, TurnoutError
 
 app = typer.Typer(
@@ -32,11 +32,31 @@ err = Console(stderr=True)
 
 
 def main() -> None:
+    """Run the CLI; any error is one line on stderr with its fix, and exit code 2, never a traceback."""
+    from turnout.cli_output import error_line, fix_for
+
     try:
         app()
     except TurnoutError as exc:
-        err.print(f"[red]error:[/red] {exc.message}")
-        sys.exit(2)
+        _die(error_line(exc.message, fix_for(exc)))
+    except httpx.HTTPError as exc:
+        _die(error_line(f"the controller connection failed: {exc or type(exc).__name__}",
+                        "check TURNOUT_URL, then `turnout doctor`"))  # fmt: skip
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except OSError as exc:
+        _die(error_line(str(exc), "check the path and its permissions"))
+    except Exception as exc:  # a bug of ours: still one line, with what to report
+        _die(
+            error_line(
+                f"unexpected {type(exc).__name__}: {exc}", "please report this with the command you ran"
+            )
+        )
+
+
+def _die(line: str) -> None:
+    err.print(line, markup=False, highlight=False, soft_wrap=True)
+    sys.exit(2)
 
 
 def _home(home: Path | None) -> Path:
@@ -45,9 +65,13 @@ def _home(home: Path | None) -> Path:
     return Path(home).expanduser() if home else default_home()
 
 
-def _logging(verbose: bool = False) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+def _logging(verbose: bool = False, log_format: str = "text") -> None:
+    from turnout import logs
+
+    logs.configure(log_format, verbose=verbose)
+
+
+LOG_FORMAT_HELP = "Log lines as text or json; lines about a task or worker carry its id."
 
 
 # ---- servers ---------------------------------------------------------------------------------------
@@ -65,15 +89,19 @@ def up(
     presets: Path | None = typer.Option(None, help="Model presets file served by the local worker."),
     config: Path | None = typer.Option(None, help="turnout.yaml: prices, pipelines, limits, escalation."),
     no_auth: bool = typer.Option(False, "--no-auth", help="No tokens (loopback only)."),
+    request_limit: list[str] = typer.Option(
+        [], "--request-limit", help="NAME=VALUE, repeatable: a request size limit, e.g. max_body_bytes=16Mi."
+    ),
+    log_format: str = typer.Option("text", "--log-format", help=LOG_FORMAT_HELP),
     verbose: bool = typer.Option(False, "-v", "--verbose"),
 ) -> None:
     """Controller on embedded SQLite plus one local worker, at http://127.0.0.1:8750."""
     from turnout.runtime import build_controller, default_db, serve, wait_healthy
 
-    _logging(verbose)
+    _logging(verbose, log_format)
     state = _home(home)
     parts = build_controller(db=default_db(state), home=state, config=config, auth=not no_auth, host=host,
-                             fresh_admin_token=True)  # fmt: skip
+                             fresh_admin_token=True, limit_flags=parse_limit_flags(request_limit))  # fmt: skip
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     out.print(f"[bold]Turnout[/bold] controller at {url}  (state in {state})")
     if parts.admin_token:
@@ -81,7 +109,7 @@ def up(
             f"admin token: {parts.admin_token}\n  (saved to {state / 'admin.token'}; the CLI and SDK find it there)"
         )
     worker_cmd = [sys.executable, "-m", "turnout.cli", "worker", *(app_ref or ["turnout.demo:app"]), "--controller", url,
-                  "--gpus", gpus, "--name", "local"]  # fmt: skip
+                  "--gpus", gpus, "--name", "local", "--log-format", log_format, *(["-v"] if verbose else [])]  # fmt: skip
     if presets:
         worker_cmd += ["--presets", str(presets)]
     env = {**os.environ, "TURNOUT_HOME": str(state)}
@@ -121,17 +149,21 @@ def controller(
     tls_cert: Path | None = typer.Option(None, help="PEM certificate for HTTPS."),
     tls_key: Path | None = typer.Option(None, help="PEM key for HTTPS."),
     heartbeat_s: float = typer.Option(5.0, help="Default worker heartbeat period."),
+    request_limit: list[str] = typer.Option(
+        [], "--request-limit", help="NAME=VALUE, repeatable: a request size limit, e.g. max_body_bytes=16Mi."
+    ),
+    log_format: str = typer.Option("text", "--log-format", help=LOG_FORMAT_HELP),
     verbose: bool = typer.Option(False, "-v", "--verbose"),
 ) -> None:
     """The controller only (state in SQLite or PostgreSQL)."""
     from turnout.runtime import build_controller, default_db, serve
 
-    _logging(verbose)
+    _logging(verbose, log_format)
     if bool(tls_cert) != bool(tls_key):
         raise InvalidInput("--tls-cert and --tls-key go together", field="tls-cert")
     state = _home(home)
     parts = build_controller(db=db or default_db(state), home=state, config=config, auth=not no_auth, host=host,
-                             heartbeat_s=heartbeat_s)  # fmt: skip
+                             heartbeat_s=heartbeat_s, limit_flags=parse_limit_flags(request_limit))  # fmt: skip
     if parts.admin_token:
         out.print(f"admin token: {parts.admin_token}  (saved to {state / 'admin.token'})")
     scheme = "https" if tls_cert else "http"
@@ -165,6 +197,13 @@ def worker(
     canary_backoff_s: float = typer.Option(
         30.0, help="Wait before a quarantined GPU's first canary (doubles on failure)."
     ),
+    containment: str = typer.Option(
+        "auto",
+        envvar="TURNOUT_CONTAINMENT",
+        help="Kernel mechanisms that end task processes with the worker: auto, none, or a list of "
+        "pdeathsig,cgroup,pid_namespace.",
+    ),
+    log_format: str = typer.Option("text", "--log-format", help=LOG_FORMAT_HELP),
     verbose: bool = typer.Option(False, "-v", "--verbose"),
 ) -> None:
     """A worker: serves the given apps (and presets) with the GPUs it finds."""
@@ -175,11 +214,14 @@ def worker(
     from turnout.worker.agent import Agent, AgentSettings, python_runnables
     from turnout.worker.app import load_app
 
-    _logging(verbose)
+    _logging(verbose, log_format)
     if strategy not in ("pack", "spread"):
         raise InvalidInput(f"--strategy: {strategy!r} is not pack or spread", field="strategy")
     if not apps and not presets:
         raise InvalidInput("give at least one MODULE:APP or --presets FILE", field="apps")
+    from turnout.worker import containment as kernel
+
+    kernel.configure(containment)  # probes the host, removes what dead workers of this host left
     sys.path.insert(0, os.getcwd())
     base_env = {k: v for k, v in os.environ.items() if k not in ("TURNOUT_TOKEN",)}
     runnables = []
@@ -216,35 +258,71 @@ def _json_arg(text: str, name: str) -> Any:
 def submit(
     capability: str,
     input: str = typer.Option("null", "--input", "-i", help="The task input as JSON."),
+    inputs: Path | None = typer.Option(
+        None,
+        "--inputs",
+        help="Submit many: a file with one JSON input per line ('-' for stdin), with progress.",
+    ),
     gpu: str = typer.Option("auto", help="prefer, never, require or auto."),
     wait: bool = typer.Option(False, "--wait", help="Wait for the result and print it."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Stream events as they come."),
     timeout_s: float | None = typer.Option(None, help="Fail the task after this many seconds of running."),
     priority: int = typer.Option(0),
+    as_json: bool = typer.Option(False, "--json", help="Print the task (or tasks) as JSON."),
 ) -> None:
-    """Submit a task."""
-    options: dict[str, Any] = {"priority": priority}
+    """Submit a task; with --follow, stream its events; with --inputs, submit a batch with progress bars."""
+    from turnout.cli_output import follow as show_events
+    from turnout.cli_output import summary
+
+    options: dict[str, Any] = {"priority": priority, "gpu": gpu}
     if timeout_s is not None:
         options["timeout_s"] = timeout_s
+    if inputs is not None:
+        _submit_many(capability, inputs, options, wait or follow, as_json)
+        return
     with _client() as client:
-        handle = client.submit(capability, _json_arg(input, "--input"), gpu=gpu, **options)
+        handle = client.submit(capability, _json_arg(input, "--input"), **options)
         if not (wait or follow):
-            out.print_json(json.dumps({"id": handle.id, "state": handle.task["state"]}))
+            out.print_json(
+                json.dumps(handle.task if as_json else {"id": handle.id, "state": handle.task["state"]})
+            )
             return
         if follow:
-            for event in handle.events():
-                kind = event.get("event")
-                if kind == "text_delta":
-                    out.print(event.get("delta", ""), end="", markup=False, highlight=False)
-                elif kind == "log":
-                    err.print(f"[dim]{event.get('line', '')}[/dim]", markup=True, highlight=False)
-                elif kind != "finish":
-                    err.print(f"[dim]{json.dumps(event)}[/dim]")
-            out.print()
+            show_events(handle.events(), out, err)
         task = handle.result()
+    if follow and not as_json:
+        err.print(summary(task), markup=False, highlight=False, soft_wrap=True)
+        if task["output"] is not None:
+            out.print_json(json.dumps(task["output"]))
+    else:
         _print_task(task)
-        if task["state"] != "succeeded":
-            raise typer.Exit(1)
+    if task["state"] != "succeeded":
+        raise typer.Exit(1)
+
+
+def _submit_many(capability: str, path: Path, options: dict[str, Any], wait: bool, as_json: bool) -> None:
+    from turnout.cli_output import counts_line, read_inputs, submit_many
+
+    if str(path) == "-":
+        lines = sys.stdin.read().splitlines()
+    else:
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as exc:
+            raise InvalidInput(f"--inputs: cannot read {path} ({exc.strerror})", field="inputs") from None
+    specs = [{"capability": capability, "input": data, **options} for data in read_inputs(lines, str(path))]
+    if not specs:
+        raise InvalidInput(f"--inputs: {path} holds no inputs (one JSON value per line)", field="inputs")
+    with _client() as client:
+        done = submit_many(client, specs, err, wait=wait)
+    if as_json:
+        out.print_json(json.dumps({"tasks": done}))
+    else:
+        for t in done:
+            print(f"{t['id']}\t{t['state']}")  # tab-separated for scripts: no rich layout
+        err.print(counts_line(done), markup=False, highlight=False)
+    if wait and any(t["state"] != "succeeded" for t in done):
+        raise typer.Exit(1)
 
 
 def _print_task(task: dict[str, Any]) -> None:
@@ -252,10 +330,16 @@ def _print_task(task: dict[str, Any]) -> None:
 
 
 @app.command()
-def task(task_id: str) -> None:
-    """Show one task."""
+def task(task_id: str, as_json: bool = typer.Option(False, "--json", help="The task as JSON.")) -> None:
+    """Show one task: where it ran, why there, how long, what it cost."""
+    from turnout.cli_output import task_table
+
     with _client() as client:
-        _print_task(client.get_task(task_id))
+        body = client.get_task(task_id)
+    if as_json:
+        _print_task(body)
+    else:
+        out.print(task_table(body))
 
 
 @app.command()
@@ -401,16 +485,46 @@ def token_revoke(token_id: str) -> None:
 def audit(
     since: str | None = typer.Option(None),
     jsonl: bool = typer.Option(False, "--jsonl", help="One JSON record per line."),
+    as_json: bool = typer.Option(False, "--json", help='{"audit": [...]} as the API answers.'),
 ) -> None:
     """The audit log (admin)."""
     with _client() as client:
         body = client.request("GET", "/v1/audit", params={"since": since} if since else {})
+    if as_json:
+        out.print_json(json.dumps(body))
+        return
     for rec in body["audit"]:
         if jsonl:
             print(json.dumps(rec))
         else:
             out.print(f"{rec['ts']}  {rec['kind']:<18} {rec.get('tenant') or '':<10} "
                       + json.dumps({k: v for k, v in rec.items() if k not in ('ts', 'kind', 'tenant', 'id')}))  # fmt: skip
+
+
+@app.command()
+def doctor(
+    controller_url: str | None = typer.Option(
+        None, "--controller", help="Controller URL (default $TURNOUT_URL)."
+    ),
+    token: str | None = typer.Option(None, help="The worker token (default $TURNOUT_TOKEN or admin.token)."),
+    gpus: str = typer.Option("auto", help="GPUs as the worker would use them: auto, none, 0,2 or fake:SPEC."),
+    as_json: bool = typer.Option(False, "--json", help='{"ok", "checks": [{name, status, detail, fix}]}'),
+) -> None:
+    """Check this host before it serves as a worker, and say how to fix each problem; exit 0 only when it can."""
+    from turnout import doctor as checks
+    from turnout.client import default_token, default_url
+
+    settings = checks.DoctorSettings(controller_url=controller_url or default_url(),
+                                     token=token or default_token(), gpus=gpus)  # fmt: skip
+    found = checks.run(settings)
+    ok = checks.can_serve(found)
+    if as_json:
+        out.print_json(json.dumps({"ok": ok, "controller": settings.controller_url,
+                                   "checks": [c.to_dict() for c in found]}))  # fmt: skip
+    else:
+        checks.render(found, settings.controller_url,
+                      lambda line: out.print(line, markup=False, highlight=False, soft_wrap=True))  # fmt: skip
+    raise typer.Exit(0 if ok else 1)
 
 
 if __name__ == "__main__":

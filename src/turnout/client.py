@@ -19,7 +19,8 @@ from typing import Any, TypeVar
 import httpx
 
 from turnout.config import DEFAULT_PORT
-from turnout.errors import HTTP_STATUS, RateLimited, TurnoutError, Unavailable
+from turnout.errors import HTTP_STATUS, InvalidInput, RateLimited, TurnoutError, Unavailable
+from turnout.jsonsafe import problem
 
 T = TypeVar("T")
 TERMINAL = {"succeeded", "failed", "cancelled"}
@@ -41,12 +42,17 @@ def default_token() -> str | None:
 
 
 def raise_for_error(resp: httpx.Response) -> None:
+    """Raise the controller's error as the class it maps to: InvalidInput (422, `.field` names what to fix),
+    Conflict (409, e.g. an idempotency_key reused for another request), PayloadTooLarge (413, the message
+    names the limit), RateLimited (429, `.retry_after_s`), ... An answer from a proxy keeps its status."""
     if resp.status_code < 400:
         return
     try:
         err = resp.json().get("error", {})
+        if not isinstance(err, dict):
+            raise ValueError
     except ValueError:
-        err = {"message": resp.text}
+        err = {"message": f"HTTP {resp.status_code}: {resp.text[:200]}"}
     message = err.get("message") or f"HTTP {resp.status_code}"
     if resp.status_code == 429:
         raise RateLimited(
@@ -101,6 +107,9 @@ class AsyncClient:
         await self.http.aclose()
 
     async def request(self, method: str, path: str, **kwargs: Any) -> Any:
+        found = problem(kwargs["json"]) if "json" in kwargs else None
+        if found is not None:  # refused here, naming the field, rather than as httpx's ValueError or a 422
+            raise InvalidInput(f"{found[0]}: {found[1]}", field=found[0])
         try:
             resp = await self.http.request(method, path, **kwargs)
         except httpx.ConnectError as exc:

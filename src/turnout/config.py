@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from turnout.errors import InvalidInput
+from turnout.resources import parse_bytes
 
 DEFAULT_PORT = 8750
+MiB = 1024**2
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,75 @@ class Prices:
 
 
 @dataclass(frozen=True)
+class RequestLimits:
+    """What one request may carry. A body over its limit is refused (413) as it streams in, never read whole,
+    so a huge or endless upload costs the controller neither memory nor the event loop its workers need.
+
+    Set in turnout.yaml under `request_limits:` or with `--request-limit NAME=VALUE`; byte limits take
+    quantities (`16Mi`). The 413's message names the limit as set, e.g. `limit 8 MiB (max_body_bytes)`.
+    """
+
+    max_body_bytes: int = 8 * MiB  # any request body not named below
+    max_batch_body_bytes: int = 64 * MiB  # POST /v1/tasks/batch (up to 1000 tasks)
+    max_worker_body_bytes: int = 64 * MiB  # a worker's event and result batches
+    max_input_bytes: int = 1 * MiB  # one task's input, as compact JSON; larger data goes in files
+    max_labels: int = 32  # labels on one task
+    max_label_bytes: int = 256  # one label's key, or its value, in UTF-8
+    max_events_per_request: int = 10_000  # events in one POST /v1/workers/{id}/events
+
+    def describe(self, name: str) -> str:
+        """`limit 8 MiB (max_body_bytes)`: what a 413 says, so the user knows which setting to change."""
+        value = getattr(self, name)
+        shown = describe_bytes(value) if name.endswith("_bytes") else str(value)
+        return f"limit {shown} ({name})"
+
+
+def describe_bytes(n: int) -> str:
+    """Bytes for people: `8 MiB`, `1.5 KiB`, `300 bytes`."""
+    for unit, size in (("GiB", 1024**3), ("MiB", MiB), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.4g} {unit}"
+    return f"{n} bytes"
+
+
+def parse_request_limits(raw: Any, source: str = "request_limits") -> RequestLimits:
+    """`{max_body_bytes: 16Mi, max_labels: 64, ...}` -> RequestLimits; unknown names and bad values name the field."""
+    if raw is None:
+        return RequestLimits()
+    if not isinstance(raw, Mapping):
+        raise InvalidInput(f"{source}: expected a mapping of limit name to value", field=source)
+    known = {f.name for f in fields(RequestLimits)}
+    values: dict[str, int] = {}
+    for key, value in raw.items():
+        name = f"{source}.{key}"
+        if key not in known:
+            raise InvalidInput(f"{name}: unknown limit (known: {', '.join(sorted(known))})", field=name)
+        if str(key).endswith("_bytes"):
+            number = parse_bytes(value, name)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            number = value
+        elif isinstance(value, str) and value.strip().isdigit():
+            number = int(value)
+        else:
+            raise InvalidInput(f"{name}: expected a whole number, got {value!r}", field=name)
+        if number < 1:
+            raise InvalidInput(f"{name}: must be at least 1, got {value!r}", field=name)
+        values[key] = number
+    return replace(RequestLimits(), **values)
+
+
+def parse_limit_flags(flags: list[str] | None) -> dict[str, str]:
+    """`--request-limit NAME=VALUE`, repeated -> {NAME: VALUE}, checked later with the config file's."""
+    out: dict[str, str] = {}
+    for flag in flags or ():
+        name, sep, value = flag.partition("=")
+        if not sep or not name.strip() or not value.strip():
+            raise InvalidInput(f"--request-limit: expected NAME=VALUE, got {flag!r}", field="request-limit")
+        out[name.strip()] = value.strip()
+    return out
+
+
+@dataclass(frozen=True)
 class ControllerSettings:
     heartbeat_s: float = 5.0
     reap_interval_s: float = 0.5
@@ -39,6 +111,7 @@ class ControllerSettings:
     max_lease_wait_s: float = 30.0
     placement_policy: str = "fgd"  # which GPU worker a task goes to: fgd, bestfit, random
     prices: Prices = field(default_factory=Prices)
+    request_limits: RequestLimits = field(default_factory=RequestLimits)
     raw_config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -81,7 +154,21 @@ def parse_prices(raw: Any, source: str = "prices") -> Prices:
     return Prices(cpu, gpu, models)
 
 
-def controller_settings(config_path: Path | None = None, **overrides: Any) -> ControllerSettings:
+def controller_settings(
+    config_path: Path | None = None, *, limit_flags: Mapping[str, str] | None = None, **overrides: Any
+) -> ControllerSettings:
+    """Settings from the config file, then flags: `limit_flags` (from `--request-limit`) win over the file's."""
     raw = load_config_file(config_path)
     prices = parse_prices(raw.get("prices"), f"{config_path}: prices" if config_path else "prices")
-    return ControllerSettings(prices=prices, raw_config=raw, **overrides)
+    file_limits = raw.get("request_limits")
+    source = f"{config_path}: request_limits" if config_path else "request_limits"
+    limits = parse_request_limits(file_limits, source)
+    if limit_flags:
+        limits = replace(
+            limits, **_fields_of(parse_request_limits(dict(limit_flags), "--request-limit"), limit_flags)
+        )
+    return ControllerSettings(prices=prices, request_limits=limits, raw_config=raw, **overrides)
+
+
+def _fields_of(limits: RequestLimits, names: Mapping[str, str]) -> dict[str, int]:
+    return {name: getattr(limits, name) for name in names}

@@ -8,16 +8,17 @@ controllers (PostgreSQL) the store's conditional updates keep them honest.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from turnout import placement
 from turnout.config import ControllerSettings
-from turnout.errors import Conflict, NotFound
+from turnout.errors import Conflict, IdempotencyConflict, InvalidInput, NotFound
 from turnout.gpu.allocation import (
     GpuGrant,
     add_grant,
@@ -45,6 +46,11 @@ LIVE_WORKER_STATES = (WorkerState.HEALTHY, WorkerState.DRAINING)
 RETRYABLE_ERRORS = frozenset({"gpu_oom", "worker_lost"})
 WORKER_CACHE_S = 0.25  # how stale this controller's copy of the worker list may be
 RUNNING_AFTER_S = 0.5  # a leased task the worker reports as running is marked so after this long
+# A lease the worker does not list as held this long after it was given (at least; or one heartbeat period if
+# longer) never reached it: its answer was lost. Longer than any lease round trip.
+UNDELIVERED_AFTER_S = 3.0
+UNDELIVERED_FREE = 5  # lost lease answers a task may have before they count against its max_retries
+KEPT_ROUTING = ("avoid_gpus", "last_error", "undelivered")  # routing history a new lease carries on
 PLACEMENT_SETTLE_S = (
     1.0  # how long a GPU task waits for the policy's best worker before any fitting one takes it
 )
@@ -70,10 +76,34 @@ class Controller:
         self.settings = settings
         self.clock = clock
         self._fleet_cache: tuple[float, dict[str, Worker]] | None = None
+        self._known: set[str] = set()  # capabilities known to be registered; re-read from the store on a miss
+        # No worker is judged silent within three heartbeats of this moment: after a controller restart (or
+        # an outage), workers get their full allowance to reach it again before their work is re-queued.
+        self.started_at = clock()
+        self.lease_expiries = 0  # tasks this controller took back from workers that died (a /metrics counter)
 
     # ---- tasks -------------------------------------------------------------------------------
 
-    def submit(self, tenant: str, specs: Sequence[TaskSpec]) -> list[Task]:
+    def submit(
+        self,
+        tenant: str,
+        specs: Sequence[TaskSpec],
+        *,
+        prefixes: Sequence[str] | None = None,
+        waits_for_capacity: Sequence[bool] | None = None,
+    ) -> list[Task]:
+        """Queue tasks, all or none; a reused idempotency_key answers its first task (same request) or 409.
+
+        A capability no worker ever registered is refused at once, naming close matches (a typo must not
+        wait out placement_timeout_s), unless the spec `waits_for_capacity`: its client set the timeout
+        itself, for workers yet to come. `prefixes` place each spec in the request (`"tasks.3."`), so an error
+        names the field the client wrote.
+        """
+        where = list(prefixes) if prefixes is not None else [""] * len(specs)
+        patient = list(waits_for_capacity) if waits_for_capacity is not None else [False] * len(specs)
+        for spec, prefix, waits in zip(specs, where, patient, strict=True):
+            if not waits:
+                self._check_known(spec.capability, f"{prefix}capability")
         now = self.clock()
         tasks = [
             Task(
@@ -81,7 +111,32 @@ class Controller:
             )
             for s in specs
         ]
-        return self.store.insert_tasks(tasks)
+        try:
+            return self.store.insert_tasks(tasks)
+        except IdempotencyConflict as exc:
+            field = f"{where[exc.index]}idempotency_key"
+            raise IdempotencyConflict(exc.key, exc.task_id, index=exc.index, field=field) from None
+
+    def _check_known(self, capability: str, field_name: str) -> None:
+        if capability in self._known:
+            return
+        self._known = self.store.known_capabilities()  # another controller may have met a new worker
+        if capability in self._known:
+            return
+        close = difflib.get_close_matches(capability, sorted(self._known), n=3, cutoff=0.6)
+        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        known = f" (known: {', '.join(sorted(self._known)[:20])})" if self._known and not close else ""
+        raise InvalidInput(
+            f"{field_name}: no worker has ever registered {capability!r}{hint}{known}. To queue it for workers "
+            "that will register later, set placement_timeout_s",
+            field=field_name,
+        )
+
+    def _remember_capabilities(self, variants: Sequence[Variant], now: float) -> None:
+        names = {v.capability for v in variants} - self._known
+        if names:
+            self.store.remember_capabilities(names, now)
+            self._known = self._known | names
 
     def get_task(self, tenant: str | None, task_id: str) -> Task:
         task = self.store.get_task(task_id)
@@ -128,6 +183,7 @@ class Controller:
             last_heartbeat=now, heartbeat_s=heartbeat_s or self.settings.heartbeat_s,
         )  # fmt: skip
         self.store.upsert_worker(worker)
+        self._remember_capabilities(variants, now)
         self._fleet_cache = None
         self.audit("worker_registered", None, {"worker": worker.id, "name": name, "host": host,
                                                  "gpus": [g.get("uuid") for g in gpus]})  # fmt: skip
@@ -139,11 +195,14 @@ class Controller:
         *,
         metrics: dict[str, Any] | None = None,
         quarantined: dict[str, str] | None = None,
+        at: float | None = None,
     ) -> Worker:
+        """Store a heartbeat that arrived `at` (default: now); a worker that was unhealthy is healthy again."""
         worker = self._worker(worker_id)
         if worker.state is WorkerState.GONE:
             raise NotFound(f"worker {worker_id} has left; register again", field="worker")
-        values: dict[str, Any] = {"last_heartbeat": self.clock()}
+        arrived = at if at is not None else self.clock()
+        values: dict[str, Any] = {"last_heartbeat": max(worker.last_heartbeat, arrived)}
         if metrics is not None:
             values["metrics"] = metrics
         if quarantined is not None:
@@ -153,7 +212,8 @@ class Controller:
         if "state" in values or (quarantined is not None and quarantined != worker.quarantined):
             self._fleet_cache = None
         self.store.update_worker(worker_id, **values)
-        return replace(worker, last_heartbeat=values["last_heartbeat"])
+        state = WorkerState(values.get("state", worker.state.value))
+        return replace(worker, last_heartbeat=values["last_heartbeat"], state=state)
 
     def drain(self, worker_id: str) -> Worker:
         self._worker(worker_id)
@@ -169,6 +229,27 @@ class Controller:
         self.store.update_worker(worker_id, state=WorkerState.GONE.value)
         self._fleet_cache = None
         self._requeue_lost(self.store.active_tasks([worker_id]), "worker left")
+
+    def connection_closed(self, worker_id: str, closed_at: float) -> bool:
+        """The worker's held connection closed and it did not come back: its process is gone (a SIGKILL, a
+        crash). Mark it unhealthy and re-queue its tasks now. A heartbeat stored since `closed_at` means it
+        lives, and nothing happens; so does a worker already judged. Returns whether anything changed."""
+        worker = self.store.get_worker(worker_id)
+        if worker is None or worker.state not in LIVE_WORKER_STATES or worker.last_heartbeat > closed_at:
+            return False
+        if not self.store.update_worker(worker_id, LIVE_WORKER_STATES, state=WorkerState.UNHEALTHY.value):
+            return False
+        self._fleet_cache = None
+        log.warning("worker %s closed its connection and did not come back: unhealthy", worker.name,
+                    extra={"worker_id": worker_id})  # fmt: skip
+        taken = self._requeue_lost(self.store.active_tasks([worker_id]), "worker connection closed")
+        self.lease_expiries += len(taken)
+        return True
+
+    def forget_cached(self) -> None:
+        """Drop what was read inside a transaction that was then lost: it may describe rows that never were."""
+        self._fleet_cache = None
+        self._known = set()  # re-read on the next miss
 
     def workers(self) -> list[Worker]:
         return self.store.list_workers()
@@ -193,7 +274,9 @@ class Controller:
         """Give the worker queued tasks that fit its free resources, routed per their `gpu` value.
 
         `running` is what the worker believes it runs: anything there that is no longer its active lease
-        (cancelled, timed out, re-queued after it was thought lost) comes back in `cancel`.
+        (cancelled, timed out, re-queued after it was thought lost) comes back in `cancel`. The reverse too:
+        a task leased to it that it does not list, well after the lease was given, never reached it (the
+        answer was lost on the way) and goes back to the queue, its capacity freed.
         """
         now = self.clock()
         fleet = self._fleet()
@@ -202,6 +285,12 @@ class Controller:
             raise NotFound(f"worker {worker_id} has left; register again", field="worker")
         active = self.store.active_tasks([worker_id])
         mine = {t.id: t for t in active if t.worker_id == worker_id}
+        held = set(running)
+        grace_s = max(UNDELIVERED_AFTER_S, worker.heartbeat_s)
+        undelivered = [t for t in mine.values() if t.state is TaskState.LEASED and t.id not in held
+                       and now - (t.leased_at or now) > grace_s]  # fmt: skip
+        for task_id in self._requeue_undelivered(undelivered, now):
+            del mine[task_id]
         cancel = self._to_stop(worker_id, [tid for tid in running if tid not in mine])
         # a task shows `running` once it has run a moment: a short one goes leased -> succeeded with no extra
         # write (and fsync) on its path; its started_at comes with its result
@@ -273,7 +362,7 @@ class Controller:
                     "unit_memory_bytes": min(u.memory_bytes for u in room.units if u.uuid in grant.uuids),
                 }
                 alloc["gpu_share"] = gpu_units_of(grant, room.units)
-            kept = {k: v for k, v in (task.routing or {}).items() if k in ("avoid_gpus", "last_error")}
+            kept = {k: v for k, v in (task.routing or {}).items() if k in KEPT_ROUTING}
             routing = {
                 **kept,
                 "requested": task.spec.gpu.value,
@@ -295,6 +384,32 @@ class Controller:
             leases = [lease for lease in leases if lease.task.id in won]
             self._audit_allocations(worker_id, [lease for lease in leases if lease.grant], now)
         return LeaseResult(leases, cancel)
+
+    def _requeue_undelivered(self, tasks: Sequence[Task], now: float) -> list[str]:
+        """Put back leases whose answer never reached their worker; returns the ids that changed.
+
+        The attempt number stays spent (it is the fencing token a result must carry, never handed out twice),
+        but the attempt does not count against `max_retries`, since nothing ran: `routing.undelivered` counts
+        these. Past UNDELIVERED_FREE of them they do count, so a task whose lease can never be delivered
+        still ends (`worker_lost`) instead of going round for ever.
+        """
+        updates: list[Change] = []
+        for t in tasks:
+            routing = {**(t.routing or {}), "undelivered": _undelivered(t) + 1}
+            if t.attempts - min(routing["undelivered"], UNDELIVERED_FREE) > t.spec.max_retries:
+                error = {"type": "worker_lost", "message": "its leases never reached a worker"}
+                values: dict[str, Any] = {"state": TaskState.FAILED, "error": error, "finished_at": now,
+                                          "routing": routing}  # fmt: skip
+            else:
+                values = {"state": TaskState.QUEUED, "worker_id": None, "device": None, "gpus": None,
+                          "gpu_model": None, "queued_at": now, "routing": routing, "alloc": None}  # fmt: skip
+            updates.append((t.id, (TaskState.LEASED,), t.attempts, values))
+        done = self.store.update_tasks(updates) if updates else []
+        for t in tasks:
+            if t.id in done:
+                log.warning("task %s: its lease never reached worker %s; taken back", t.id, t.worker_id)
+                self._audit_release(t, now)
+        return done
 
     def _to_stop(self, worker_id: str, stale: Sequence[str]) -> list[str]:
         """Of the tasks a worker runs that are no longer its active leases, those it must kill.
@@ -339,7 +454,7 @@ class Controller:
             started = c.started_at or t.started_at or t.leased_at
             run_s = c.run_s if c.run_s is not None else (now - started if started else None)
             values: dict[str, Any] = {"finished_at": now, "run_s": run_s, "started_at": started,
-                                      "cost_usd": self._cost(t, run_s)}  # fmt: skip
+                                      "cost_usd": self._cost(t, run_s), "isolation": c.isolation}  # fmt: skip
             if c.succeeded:
                 values.update(state=TaskState.SUCCEEDED, output=c.output, error=None)
             else:
@@ -387,8 +502,8 @@ class Controller:
 
     def _requeue_lost(self, tasks: Sequence[Task], why: str) -> list[str]:
         now = self.clock()
-        retry = [t for t in tasks if t.attempts <= t.spec.max_retries]
-        give_up = [t for t in tasks if t.attempts > t.spec.max_retries]
+        retry = [t for t in tasks if _charged(t) <= t.spec.max_retries]
+        give_up = [t for t in tasks if _charged(t) > t.spec.max_retries]
         error = {"type": "worker_lost", "message": f"{why}; attempts used up"}
         done = self._requeue([(t, {"type": "worker_lost", "message": why}) for t in retry], now)
         failed = self.store.update_tasks(
@@ -404,21 +519,26 @@ class Controller:
 
     # ---- the periodic sweep ------------------------------------------------------------------
 
-    def reap(self) -> bool:
+    def reap(self, heard: Mapping[str, float] | None = None) -> bool:
         """Mark silent workers unhealthy, re-queue their tasks, time out overdue tasks, fail unplaceable ones.
 
-        Returns whether anything changed (so waiting clients and workers should look again).
+        A worker is judged on when its last heartbeat arrived: `heard` (stamped by the API as heartbeats
+        arrive, so one waiting behind a slow write counts) or the stored time (written by any controller
+        sharing the database), whichever is later; and never within three heartbeats of this controller's
+        start. Returns whether anything changed (so waiting clients and workers should look again).
         """
         now = self.clock()
+        heard = dict(heard or {})  # a copy: the API adds to it from another thread
         changed = False
         workers = self.store.list_workers()
         for w in workers:
-            silent = w.state in LIVE_WORKER_STATES and now - w.last_heartbeat > 3 * w.heartbeat_s
+            seen = max(w.last_heartbeat, heard.get(w.id, 0.0), self.started_at)
+            silent = w.state in LIVE_WORKER_STATES and now - seen > 3 * w.heartbeat_s
             if silent and self.store.update_worker(
                 w.id, LIVE_WORKER_STATES, state=WorkerState.UNHEALTHY.value
             ):
                 self._fleet_cache = None
-                log.warning("worker %s (%s) missed three heartbeats: unhealthy", w.id, w.name)
+                log.warning("worker %s missed three heartbeats: unhealthy", w.name, extra={"worker_id": w.id})
                 changed = True
         by_id: dict[str, Worker] = {w.id: w for w in self.store.list_workers(include_gone=True)}
         lost: list[Task] = []
@@ -438,7 +558,9 @@ class Controller:
                 overdue.append((t.id, ACTIVE, t.attempts, {"state": TaskState.FAILED, "error": error,
                                                             "finished_at": now, "run_s": now - since}))  # fmt: skip
         if lost:
-            changed |= bool(self._requeue_lost(lost, "worker stopped heartbeating"))
+            expired = self._requeue_lost(lost, "worker stopped heartbeating")
+            self.lease_expiries += len(expired)
+            changed |= bool(expired)
         if overdue:
             changed |= bool(self.store.update_tasks(overdue))
         changed |= self._expire_unplaceable(now, [w for w in workers if w.state is WorkerState.HEALTHY])
@@ -507,6 +629,16 @@ class Controller:
                                                       "gpus": list(task.gpus.get("uuids", [])),
                                                       "memory_bytes": task.gpus.get("memory_bytes"),
                                                       "start": task.leased_at, "end": now})  # fmt: skip
+
+
+def _undelivered(task: Task) -> int:
+    """How many of the task's leases never reached their worker (their answer was lost)."""
+    return int((task.routing or {}).get("undelivered", 0))
+
+
+def _charged(task: Task) -> int:
+    """Attempts that count against `max_retries`: all but the (first few) leases that never arrived."""
+    return task.attempts - min(_undelivered(task), UNDELIVERED_FREE)
 
 
 def _no_capacity(task: Task) -> dict[str, Any]:

@@ -6,8 +6,12 @@
      ├── Unauthorized                missing or unknown token (HTTP 401)
      ├── Forbidden                   token lacks the role (HTTP 403)
      ├── Conflict                    state does not allow it, e.g. a late result (HTTP 409)
+     │    └── IdempotencyConflict    an idempotency_key reused for a different request; `index`, `task_id`
+     ├── PayloadTooLarge             a request over a size limit; the message names the limit (HTTP 413)
      ├── RateLimited                 too many requests; `retry_after_s` (HTTP 429)
      └── Unavailable                 a dependency is down (HTTP 503)
+          └── StorageUnavailable     the database cannot take the change (disk full, unreachable); nothing of
+                                     the request was kept; `retry_after_s` (HTTP 503 with Retry-After)
 
 The API maps classes to status codes in one table (`api/errors.py`); nothing else decides codes.
 """
@@ -50,6 +54,30 @@ class Conflict(TurnoutError):
     type = "conflict"
 
 
+class IdempotencyConflict(Conflict):
+    """An idempotency_key already names a task that asked for something else: returning that task would
+    silently drop this request, so it is refused. `index` is the request's position in its batch."""
+
+    def __init__(self, key: str, task_id: str, *, index: int = 0, field: str = "idempotency_key") -> None:
+        super().__init__(
+            f"{field}: {key!r} already names task {task_id}, submitted with a different body; "
+            "use a new key for a new request",
+            field=field,
+        )
+        self.key = key
+        self.task_id = task_id
+        self.index = index
+
+
+class PayloadTooLarge(TurnoutError):
+    """A request (or a part of one: a task's input, its labels, an event batch) over a configured limit.
+
+    Its message names the limit as it is set (`limit 8 MiB (max_body_bytes)`), so a user knows what to change.
+    """
+
+    type = "payload_too_large"
+
+
 class RateLimited(TurnoutError):
     type = "rate_limited"
 
@@ -62,6 +90,19 @@ class Unavailable(TurnoutError):
     type = "unavailable"
 
 
+class StorageUnavailable(Unavailable):
+    """The database refused or lost a write, so nothing of the request is durable: the caller may retry as is.
+
+    Its message never carries SQL or driver text (that goes to the controller's log).
+    """
+
+    type = "storage_unavailable"
+
+    def __init__(self, message: str, *, retry_after_s: float = 5.0, field: str | None = None) -> None:
+        super().__init__(message, field=field)
+        self.retry_after_s = retry_after_s
+
+
 # The one table from error classes to HTTP status codes: the API renders with it, the client reads it back.
 HTTP_STATUS: dict[type[TurnoutError], int] = {
     InvalidInput: 422,
@@ -69,6 +110,7 @@ HTTP_STATUS: dict[type[TurnoutError], int] = {
     Unauthorized: 401,
     Forbidden: 403,
     Conflict: 409,
+    PayloadTooLarge: 413,
     RateLimited: 429,
     Unavailable: 503,
 }

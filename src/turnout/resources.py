@@ -37,6 +37,8 @@ def parse_bytes(value: Any, field_name: str) -> int:
             raise InvalidInput(
                 f"{field_name}: must be a non-negative quantity, got {value!r}", field=field_name
             )
+        if not value < 2**63:  # the most bytes any store column or allocation sum can hold
+            raise InvalidInput(f"{field_name}: {value!r} bytes is too large", field=field_name)
         return int(value)
     if not isinstance(value, str):
         raise InvalidInput(
@@ -48,7 +50,10 @@ def parse_bytes(value: Any, field_name: str) -> int:
             f"{field_name}: {value!r} is not a quantity (use e.g. '512Mi', '4Gi', '1G' or a byte count)",
             field=field_name,
         )
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
+    number = float(match.group(1)) * _UNITS[match.group(2)]
+    if not number < 2**63:  # also catches an overflow to infinity: "999...9Gi" is a 422, not a crash
+        raise InvalidInput(f"{field_name}: {value!r} is too large", field=field_name)
+    return int(number)
 
 
 def format_bytes(n: int) -> str:

@@ -11,11 +11,14 @@ import contextlib
 import logging
 import os
 import signal
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 
 import httpx
 
+from turnout import logs
 from turnout.api.app import create_app
 from turnout.api.service import Service
 from turnout.auth import TokenBook, hash_token, write_admin_token
@@ -51,13 +54,15 @@ def build_controller(
     host: str = "127.0.0.1",
     heartbeat_s: float = 5.0,
     fresh_admin_token: bool = False,
+    limit_flags: Mapping[str, str] | None = None,
 ) -> ControllerParts:
     if not auth and host not in LOOPBACK:
         raise InvalidInput(
             f"--no-auth is refused unless the controller listens on loopback only (not {host})",
             field="no-auth",
         )
-    settings = controller_settings(config, heartbeat_s=heartbeat_s)
+    settings = controller_settings(config, heartbeat_s=heartbeat_s, limit_flags=limit_flags)
+    private_dir(home)
     store = open_store(db)
     tokens = TokenBook(store)
     token = None
@@ -88,10 +93,34 @@ def serve(
     import uvicorn
 
     app = create_app(service)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+    # log_config=None: uvicorn's own lines go through the root handler, in the format --log-format chose
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, log_config=None,
                             ssl_certfile=str(tls_cert) if tls_cert else None,
                             ssl_keyfile=str(tls_key) if tls_key else None, timeout_graceful_shutdown=3)  # fmt: skip
-    uvicorn.Server(config).run()
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            # held connections (worker lifelines, lease long polls) end now instead of holding the graceful
+            # shutdown open, and no worker is judged by a connection the controller itself is closing
+            service.begin_shutdown()
+            super().handle_exit(sig, frame)
+
+    Server(config).run()
+
+
+def private_dir(path: Path) -> None:
+    """The state directory, readable by this user only (0700): it holds the database and the admin token.
+
+    An existing directory is tightened only when it is ours and already a Turnout home (from a version that
+    made it world-readable); any other is left alone: `--home` may name a directory the user shares.
+    """
+    if not path.exists():
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return
+    st = path.stat()
+    turnout_home = any((path / name).exists() for name in ("turnout.db", "admin.token"))
+    if st.st_uid == os.getuid() and st.st_mode & 0o077 and turnout_home:
+        path.chmod(0o700)
 
 
 def wait_healthy(url: str, timeout_s: float = 20.0) -> bool:
@@ -111,6 +140,7 @@ def run_agent_until_signalled(agent: object) -> None:
     from turnout.worker.agent import Agent
 
     assert isinstance(agent, Agent)
+    logs.set_worker(lambda: agent.worker_id)  # every line this process logs is about this worker
 
     async def main() -> None:
         stop = asyncio.Event()

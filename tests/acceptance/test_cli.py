@@ -72,7 +72,7 @@ def test_submit_wait_prints_the_result_and_tasks_lists_it(cluster: Cluster) -> N
     assert task["output"] == {"x": 1} and task["state"] == "succeeded"
     listed = cluster.cli("tasks", "--json")
     assert task["id"] in {t["id"] for t in json.loads(listed.stdout)["tasks"]}
-    shown = cluster.cli("task", task["id"])
+    shown = cluster.cli("task", task["id"], "--json")
     assert json.loads(shown.stdout)["id"] == task["id"]
     failed = cluster.cli("submit", "fail", "--wait")
     assert failed.returncode == 1

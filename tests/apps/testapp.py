@@ -97,3 +97,34 @@ def hog(ctx: Context, data: dict[str, Any]) -> dict[str, Any]:
 def share(ctx: Context, data: dict[str, Any]) -> dict[str, Any]:
     time.sleep(float(data.get("sleep", 0)))
     return {"gpus": ctx.gpus}
+
+
+class Opaque:
+    """A value of a class json knows nothing about."""
+
+
+BAD_OUTPUTS: dict[str, Any] = {
+    "nan": {"x": float("nan")},
+    "infinity": {"scores": [0.5, float("inf")]},
+    "surrogate": {"text": "caf\ud800"},
+    "set": {"tags": {"a", "b"}},
+    "bytes": {"blob": b"\x00\x01"},
+    "object": {"model": Opaque()},
+    "huge_int": {"n": 10**5000},
+}
+
+
+@app.capability("bad_output", cpu=0.1)
+def bad_output(ctx: Context, data: dict[str, Any]) -> Any:
+    """Returns what JSON cannot carry (`data["kind"]`, a key of BAD_OUTPUTS), after `sleep` seconds."""
+    time.sleep(float(data.get("sleep", 0)))
+    return BAD_OUTPUTS[data["kind"]]
+
+
+@app.capability("bad_event", cpu=0.1)
+def bad_event(ctx: Context, data: dict[str, Any]) -> dict[str, Any]:
+    """Emits a good event, one with NaN in it, and another good one, then returns a good result."""
+    ctx.emit("text_delta", delta="before ")
+    ctx.emit("progress", done=float("nan"), total=1)
+    ctx.emit("text_delta", delta="after")
+    return {"ok": True}

@@ -10,6 +10,7 @@ import os
 import secrets
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -75,7 +76,9 @@ def test_inserted_tasks_read_back_identically(store: SqlStore) -> None:
 
 def test_idempotency_key_yields_the_stored_task_per_tenant(store: SqlStore) -> None:
     first = store.insert_tasks([_task(1, key="k")])[0]
-    again = store.insert_tasks([_task(2, key="k"), _task(3, key="k", tenant="acme")])
+    # the same request again (another one under the key is a conflict: test_idempotency.py)
+    same_request = replace(_task(2, key="k"), spec=first.spec)
+    again = store.insert_tasks([same_request, _task(3, key="k", tenant="acme")])
     assert again[0].id == first.id
     assert again[1].id == "t_000003"
 

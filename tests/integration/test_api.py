@@ -66,7 +66,8 @@ def test_batch_answers_tasks_in_the_order_submitted(api: Cluster) -> None:
 
 def test_the_same_idempotency_key_returns_the_first_task(api: Cluster) -> None:
     first = api.submit("count", {"n": 1}, idempotency_key="order-42")
-    again = api.submit("count", {"n": 2}, idempotency_key="order-42")
+    # the same body again (another body under the key is a 409: test_api_hardening.py)
+    again = api.submit("count", {"n": 1}, idempotency_key="order-42")
     assert again["id"] == first["id"]
     assert again["input"] == {"n": 1}
 

@@ -74,9 +74,11 @@ def test_grandchildren_of_a_handler_die_when_the_worker_is_killed(cluster: Clust
 
 
 def test_controller_sigkill_and_restart_loses_no_accepted_task(cluster: Cluster) -> None:
-    body = {"tasks": [{"capability": "count", "input": {"n": i}} for i in range(200)]}
+    # no worker has registered yet: placement_timeout_s says these tasks wait for one
+    waiting = {"capability": "count", "placement_timeout_s": 60}
+    body = {"tasks": [{**waiting, "input": {"n": i}} for i in range(200)]}
     accepted = cluster.api("POST", "/v1/tasks/batch", json=body).json()["tasks"]
-    single = cluster.submit("count", {"n": "single"})
+    single = cluster.submit("count", {"n": "single"}, placement_timeout_s=60)
     cluster.kill_controller()  # SIGKILL right after the API answered
     cluster.start_controller()
     listed = cluster.api("GET", "/v1/tasks", params={"limit": 1000}).json()["tasks"]

@@ -10,11 +10,15 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI, Header, Query, Request
-from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from turnout import __version__
-from turnout.api import errors
+from turnout.api import dashboard, errors, lifeline
+from turnout.api import metrics as prometheus
+from turnout.api.limits import BodyLimit
 from turnout.api.schemas import (
+    EVENTS_BODY,
+    MAX_INT32,
     CompleteIn,
     HeartbeatIn,
     LeaseIn,
@@ -28,6 +32,7 @@ from turnout.api.schemas import (
     worker_out,
 )
 from turnout.api.service import POLL_S, Service, Signal
+from turnout.api.strictjson import StrictJsonRoute, json_body
 from turnout.auth import ANONYMOUS_ADMIN, Principal
 from turnout.errors import InvalidInput
 from turnout.models import Completion, Device, Role, Task, TaskState, Variant, check_capability_name
@@ -44,8 +49,12 @@ def create_app(service: Service) -> FastAPI:
             await service.stop()
 
     app = FastAPI(title="Turnout", version=__version__, lifespan=lifespan)
+    app.router.route_class = StrictJsonRoute  # every JSON body below is parsed strictly (api/strictjson.py)
     errors.install(app)
     ctrl = service.controller
+    limits = ctrl.settings.request_limits
+    app.add_middleware(BodyLimit, limits=limits)
+    metrics = prometheus.Metrics(ctrl)
 
     def need(kind: str) -> Any:
         async def check(authorization: str | None = Header(None)) -> Principal:
@@ -66,19 +75,22 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
-        return {"ok": True, "version": __version__}
+        return {"ok": True, "version": __version__, "time": iso(time.time())}
 
     # ---- tasks ---------------------------------------------------------------------------------
 
     @app.post("/v1/tasks", status_code=201)
     async def submit(body: TaskIn, p: Principal = need("submit")) -> dict[str, Any]:
-        tasks = await service.call(ctrl.submit, p.tenant, [body.to_spec()])
+        tasks = await service.call(ctrl.submit, p.tenant, [body.to_spec(limits)],
+                                   waits_for_capacity=[body.waits_for_capacity])  # fmt: skip
         service.queue_changed.notify()
         return task_out(tasks[0])
 
     @app.post("/v1/tasks/batch", status_code=201)
     async def submit_batch(body: TaskBatchIn, p: Principal = need("submit")) -> dict[str, Any]:
-        tasks = await service.call(ctrl.submit, p.tenant, body.to_specs())
+        tasks = await service.call(ctrl.submit, p.tenant, body.to_specs(limits),
+                                   prefixes=[f"tasks.{i}." for i in range(len(body.tasks))],
+                                   waits_for_capacity=[t.waits_for_capacity for t in body.tasks])  # fmt: skip
         service.queue_changed.notify()
         return {"tasks": [task_out(t) for t in tasks]}
 
@@ -126,14 +138,15 @@ def create_app(service: Service) -> FastAPI:
     async def events(
         request: Request,
         task_id: str,
-        after: int = Query(0, ge=0),
+        after: int = Query(0, ge=0, le=MAX_INT32),
         last_event_id: str | None = Header(None),
         p: Principal = need("read"),
     ) -> StreamingResponse:
         await service.read(ctrl.get_task, scope(p), task_id)  # 404 before the stream starts
         start = after
         if last_event_id:
-            if not last_event_id.isdigit():
+            digits = last_event_id.isascii() and last_event_id.isdigit() and len(last_event_id) <= 10
+            if not digits or int(last_event_id) > MAX_INT32:
                 raise InvalidInput(
                     "Last-Event-ID: expected the seq number of the last event seen", field="Last-Event-ID"
                 )
@@ -230,18 +243,23 @@ def create_app(service: Service) -> FastAPI:
             )
         worker = await service.call(
             ctrl.register_worker, name=body.name, host=body.host, variants=variants, cpu=body.cpu,
-            memory_bytes=body.memory, gpus=body.gpus, strategy=body.strategy, heartbeat_s=body.heartbeat_s,
+            memory_bytes=body.memory, gpus=[g.model_dump() for g in body.gpus], strategy=body.strategy,
+            heartbeat_s=body.heartbeat_s,
             worker_id=body.worker_id,
         )  # fmt: skip
+        service.registered(worker)
         service.changed()
         return {"id": worker.id, "heartbeat_s": worker.heartbeat_s}
 
     @app.post("/v1/workers/{worker_id}/heartbeat")
     async def heartbeat(worker_id: str, body: HeartbeatIn, p: Principal = need("worker")) -> dict[str, Any]:
-        worker = await service.call(
-            ctrl.heartbeat, worker_id, metrics=body.metrics, quarantined=body.quarantined
+        # counted as it arrives, and answered without waiting behind slow writes (see Service.heartbeat)
+        state, heartbeat_s = await service.heartbeat(
+            worker_id,
+            metrics=body.metrics.model_dump() if body.metrics else None,
+            quarantined=body.quarantined,
         )
-        return {"state": worker.state.value, "heartbeat_s": worker.heartbeat_s}
+        return {"state": state, "heartbeat_s": heartbeat_s}
 
     @app.post("/v1/workers/{worker_id}/lease")
     async def lease(worker_id: str, body: LeaseIn, p: Principal = need("worker")) -> dict[str, Any]:
@@ -249,13 +267,14 @@ def create_app(service: Service) -> FastAPI:
         running = list(body.running)
         mine = service.worker_signal(worker_id)
         while True:
-            signals = [service.queue_changed.current(), mine.current()]
+            signals = [service.queue_changed.current(), mine.current(), service.closing]
             result = await service.call(ctrl.lease, worker_id, max_tasks=body.max_tasks, running=running)
             running = [tid for tid in running if tid not in set(result.cancel)]
             left = deadline - time.monotonic()
-            if result.leases or result.cancel or left <= 0:
+            if result.leases or result.cancel or left <= 0 or service.closing.is_set():
                 if result.leases:
                     service.tasks_changed.notify()
+                    metrics.observe_leases(result.leases)
                 return {
                     "tasks": [
                         {"id": le.task.id, "attempt": le.task.attempts, "capability": le.task.spec.capability,
@@ -272,7 +291,14 @@ def create_app(service: Service) -> FastAPI:
     async def complete(worker_id: str, body: CompleteIn, p: Principal = need("worker")) -> dict[str, Any]:
         completions = [
             Completion(
-                r.task_id, r.attempt, r.status == "succeeded", r.output, r.error, r.run_s, r.started_at
+                r.task_id,
+                r.attempt,
+                r.status == "succeeded",
+                r.output,
+                r.error,
+                r.run_s,
+                r.started_at,
+                r.isolation,
             )
             for r in body.results
         ]
@@ -284,15 +310,11 @@ def create_app(service: Service) -> FastAPI:
                 service.queue_changed.notify()  # a retryable failure went back to the queue, for anyone
         return {"accepted": accepted, "refused": refused}
 
-    @app.post("/v1/workers/{worker_id}/events")
+    @app.post("/v1/workers/{worker_id}/events", openapi_extra=EVENTS_BODY)
     async def worker_events(
         worker_id: str, request: Request, p: Principal = need("worker")
     ) -> dict[str, Any]:
-        try:
-            raw = json.loads(await request.body())
-        except ValueError:
-            raise InvalidInput("body: not valid JSON", field="body") from None
-        items = parse_events(raw)
+        items = parse_events(await json_body(request), limits)
         last = await service.call(ctrl.append_events, worker_id, items)
         if last:
             service.events_added.notify()
@@ -326,17 +348,9 @@ def create_app(service: Service) -> FastAPI:
         return {"audit": [{"id": r["id"], "ts": iso(r["ts"]), "kind": r["kind"], "tenant": r["tenant"], **r["body"]}
                           for r in records]}  # fmt: skip
 
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        depths = await service.read(ctrl.store.queue_depths)
-        lines = [
-            "# HELP turnout_tasks Tasks by capability and state (non-terminal)",
-            "# TYPE turnout_tasks gauge",
-        ]
-        for cap, states in sorted(depths.items()):
-            for state, n in sorted(states.items()):
-                lines.append(f'turnout_tasks{{capability="{cap}",state="{state}"}} {n}')
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+    app.include_router(prometheus.router(service, metrics))
+    app.include_router(lifeline.router(service, need("worker")))
+    dashboard.install(app, service, need, scope)
 
     return app
 

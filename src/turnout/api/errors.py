@@ -10,7 +10,9 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from turnout.api.schemas import field_of
-from turnout.errors import HTTP_STATUS, InvalidInput, RateLimited, TurnoutError
+from turnout.api.service import storage_unavailable
+from turnout.errors import HTTP_STATUS, InvalidInput, RateLimited, StorageUnavailable, TurnoutError
+from turnout.store.sql import is_storage_failure
 
 log = logging.getLogger("turnout.api")
 
@@ -19,8 +21,15 @@ STATUS = HTTP_STATUS
 
 def error_response(exc: TurnoutError) -> JSONResponse:
     status = next((code for cls, code in STATUS.items() if isinstance(exc, cls)), 500)
-    headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))} if isinstance(exc, RateLimited) else None
-    return JSONResponse({"error": exc.to_dict()}, status_code=status, headers=headers)
+    retry_after_s = exc.retry_after_s if isinstance(exc, RateLimited | StorageUnavailable) else None
+    headers = {"Retry-After": str(max(1, round(retry_after_s)))} if retry_after_s is not None else None
+    body = {k: _utf8(v) for k, v in exc.to_dict().items()}
+    return JSONResponse({"error": body}, status_code=status, headers=headers)
+
+
+def _utf8(text: str) -> str:
+    """Text a response can carry: an error that quotes a client's bad string must not fail to render."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def install(app: FastAPI) -> None:
@@ -47,6 +56,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        if is_storage_failure(exc):  # a database failure outside Service.call/read: 503, never SQL text
+            return error_response(storage_unavailable(exc))
         log.exception("unexpected error")
         return JSONResponse(
             {"error": {"type": "internal", "message": f"{type(exc).__name__}: {exc}"}}, status_code=500

@@ -1,40 +1,85 @@
 """Wire formats (pydantic) and the translators between them and the frozen records inside.
 
 Unknown fields are refused everywhere (extra="forbid"), so a typo is a 422 naming the field, not a
-silently ignored option.
+silently ignored option. Bodies arrive parsed by `strictjson` (no NaN, Infinity or lone surrogates
+anywhere); floats here refuse non-finite values too, for bodies built in-process. Sizes past the
+`RequestLimits` are 413s naming the limit.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
-from turnout.errors import InvalidInput
-from turnout.models import GpuMode, Task, TaskSpec, Worker, check_capability_name
+from turnout.config import RequestLimits, describe_bytes
+from turnout.errors import InvalidInput, PayloadTooLarge
+from turnout.gpu.devices import GpuDevice, GpuMetrics, MigDevice
+from turnout.models import CAPABILITY_NAME, GpuMode, Task, TaskSpec, Worker, check_capability_name
 from turnout.resources import parse_resources
+
+MAX_INT = 2**53  # integers beyond what every JSON reader keeps exact, and beyond SQL's BIGINT
+MAX_INT32 = 2**31 - 1  # SQL INTEGER columns (attempts, event seq): more fails as a parameter in PostgreSQL
+MAX_RUN_S = 10 * 365 * 86_400.0
+MAX_EPOCH_S = 253_402_300_799.0  # 9999-12-31T23:59:59Z, the last second ISO 8601 writes in four digits
+_NO_NUL = r"^[^\x00]*$"  # PostgreSQL text cannot hold NUL: an id or name with one is refused, never stored
+_VERSION = r"^[0-9]{1,4}\.[0-9]{1,4}$"
+TaskId = Annotated[str, Field(max_length=64, pattern=_NO_NUL)]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+_QUANTITY = {"anyOf": [{"type": "string", "examples": ["512Mi", "4Gi"]}, {"type": "integer", "minimum": 0}]}
+# What the OpenAPI document shows for fields checked by hand (for messages that list the values)
+GPU_SCHEMA = WithJsonSchema({"anyOf": [{"type": "string", "enum": [m.value for m in GpuMode]}, {"type": "boolean"}],
+                             "default": "auto"})  # fmt: skip
+RESOURCES_SCHEMA = WithJsonSchema({"anyOf": [{"type": "null"}, {
+    "type": "object", "additionalProperties": False,
+    "properties": {
+        "cpu": {"type": "number", "minimum": 0}, "memory": _QUANTITY, "gpu": {"type": "number", "minimum": 0},
+        "gpu_memory": _QUANTITY, "min_compute_capability": {"type": "string", "examples": ["8.0"]},
+        "gpu_model": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+    },
+}]})  # fmt: skip
+# POST /v1/workers/{id}/events is parsed by hand (parse_events); this is its body for the OpenAPI document
+EVENTS_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+    "type": "object", "required": ["events"], "additionalProperties": False,
+    "properties": {"events": {"type": "array", "items": {
+        "type": "object", "required": ["task_id", "attempt", "event"], "additionalProperties": False,
+        "properties": {"task_id": {"type": "string"}, "attempt": {"type": "integer", "minimum": 1},
+                       "event": {"type": "object", "properties": {"event": {"type": "string"}}}},
+    }}},
+}}}}}  # fmt: skip
 
 
 class TaskIn(Strict):
-    capability: str
+    capability: str = Field(json_schema_extra={"pattern": CAPABILITY_NAME.pattern})
     input: Any = None
-    gpu: Any = "auto"  # validated by GpuMode.parse, for a message that lists the values
+    gpu: Annotated[Any, GPU_SCHEMA] = (
+        "auto"  # validated by GpuMode.parse, for a message that lists the values
+    )
     gpu_wait_s: float = Field(10.0, ge=0, le=86_400)
-    resources: dict[str, Any] | None = None
+    resources: Annotated[dict[str, Any] | None, RESOURCES_SCHEMA] = None
     priority: int = Field(0, ge=-1000, le=1000)
     timeout_s: float | None = Field(None, gt=0)
     placement_timeout_s: float = Field(60.0, gt=0)
     max_retries: int = Field(2, ge=0, le=100)
-    idempotency_key: str | None = Field(None, min_length=1, max_length=200)
+    idempotency_key: str | None = Field(None, min_length=1, max_length=200, pattern=_NO_NUL)
     labels: dict[str, str] = Field(default_factory=dict)
 
-    def to_spec(self, prefix: str = "") -> TaskSpec:
+    @property
+    def waits_for_capacity(self) -> bool:
+        """The client set placement_timeout_s itself: it means to wait for workers that may not exist yet."""
+        return "placement_timeout_s" in self.model_fields_set
+
+    def to_spec(self, limits: RequestLimits, prefix: str = "") -> TaskSpec:
         check_capability_name(self.capability, f"{prefix}capability")
+        check_task_size(self.input, self.labels, limits, prefix)
         resources = parse_resources(self.resources, f"{prefix}resources") if self.resources else None
         return TaskSpec(
             capability=self.capability, input=self.input, gpu=GpuMode.parse(self.gpu, f"{prefix}gpu"),
@@ -47,8 +92,33 @@ class TaskIn(Strict):
 class TaskBatchIn(Strict):
     tasks: list[TaskIn] = Field(min_length=1, max_length=1000)
 
-    def to_specs(self) -> list[TaskSpec]:
-        return [t.to_spec(f"tasks.{i}.") for i, t in enumerate(self.tasks)]
+    def to_specs(self, limits: RequestLimits) -> list[TaskSpec]:
+        return [t.to_spec(limits, f"tasks.{i}.") for i, t in enumerate(self.tasks)]
+
+
+def check_task_size(input: Any, labels: dict[str, str], limits: RequestLimits, prefix: str = "") -> None:
+    """A task's input and labels within their limits (413 naming the limit and the field): rows stay small
+    enough to list, lease and serve back, however large the body that carried them may be."""
+    if input is not None:
+        size = len(json.dumps(input, ensure_ascii=False, separators=(",", ":")).encode("utf-8"))
+        if size > limits.max_input_bytes:
+            raise PayloadTooLarge(
+                f"{prefix}input: {describe_bytes(size)} of JSON; {limits.describe('max_input_bytes')} "
+                '(put large data in a file and pass {"$file": ID})',
+                field=f"{prefix}input",
+            )
+    if len(labels) > limits.max_labels:
+        raise PayloadTooLarge(
+            f"{prefix}labels: {len(labels)} labels; {limits.describe('max_labels')}", field=f"{prefix}labels"
+        )
+    for key, value in labels.items():
+        longest = max(len(key.encode("utf-8")), len(value.encode("utf-8")))
+        if longest > limits.max_label_bytes:
+            field = f"{prefix}labels.{key[:64]}"
+            raise PayloadTooLarge(
+                f"{field}: a key or value of {longest} bytes; {limits.describe('max_label_bytes')}",
+                field=field,
+            )
 
 
 class VariantIn(Strict):
@@ -57,47 +127,111 @@ class VariantIn(Strict):
     resources: dict[str, Any] = Field(default_factory=dict)
 
 
+class _Facts(BaseModel):
+    """GPU facts and readings a worker reports: the known fields typed, and other keys only where the
+    record they become (`of`) has such a field. A worker cannot store what placement would choke on."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    of: ClassVar[type]
+
+    @model_validator(mode="after")
+    def _only_known_keys(self) -> _Facts:
+        unknown = set(self.model_extra or ()) - {f.name for f in dataclasses.fields(self.of)}
+        if unknown:
+            raise ValueError(f"unknown field {sorted(unknown)[0]!r}")
+        return self
+
+
+class MigIn(_Facts):
+    of: ClassVar[type] = MigDevice
+    uuid: str = Field(min_length=1, max_length=128, pattern=_NO_NUL)
+    profile: str = Field(max_length=64)
+    memory_total_bytes: int = Field(ge=0, le=MAX_INT)
+    gpu_instance_id: int | None = Field(None, ge=0, le=MAX_INT)
+    compute_instance_id: int | None = Field(None, ge=0, le=MAX_INT)
+    index: int = Field(0, ge=0, le=1024)
+
+
+class GpuIn(_Facts):
+    of: ClassVar[type] = GpuDevice
+    index: int = Field(ge=0, le=1024)
+    uuid: str = Field(min_length=1, max_length=128, pattern=_NO_NUL)
+    name: str = Field(max_length=256)
+    memory_total_bytes: int = Field(ge=0, le=MAX_INT)
+    memory_free_bytes: int | None = Field(None, ge=0, le=MAX_INT)
+    compute_capability: str | None = Field(None, pattern=_VERSION)
+    mig_mode: bool = False
+    mig_devices: list[MigIn] = Field(default_factory=list, max_length=64)
+
+
+class GpuProcessIn(Strict):
+    pid: int = Field(ge=0, le=MAX_INT)
+    used_memory_bytes: int = Field(ge=0, le=MAX_INT)
+
+
+class GpuMetricsIn(_Facts):
+    of: ClassVar[type] = GpuMetrics
+    uuid: str = Field(min_length=1, max_length=128)
+    utilization_pct: float | None = Field(None, ge=0, le=100)
+    memory_used_bytes: int | None = Field(None, ge=0, le=MAX_INT)
+    temperature_c: float | None = Field(None, ge=-273, le=1000)
+    power_w: float | None = Field(None, ge=0, le=1_000_000)
+    ecc_uncorrected: int | None = Field(None, ge=0, le=MAX_INT)
+    processes: list[GpuProcessIn] = Field(default_factory=list, max_length=10_000)
+    health: str = Field("ok", max_length=1024)
+    xid_errors: list[int] = Field(default_factory=list, max_length=1000)
+
+
+class MetricsIn(BaseModel):
+    """A heartbeat's readings: per-GPU ones typed (dashboards and placement read them); others kept as sent."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    gpus: list[GpuMetricsIn] = Field(default_factory=list, max_length=1024)
+    cpu_pct: float | None = Field(None, ge=0)
+    running: int | None = Field(None, ge=0, le=MAX_INT)
+    ts: float | None = None
+
+
 class RegisterIn(Strict):
-    name: str = Field(min_length=1, max_length=128)
-    host: str = Field(min_length=1, max_length=256)
-    variants: list[VariantIn]
-    cpu: float = Field(gt=0)
-    memory: int = Field(ge=0)
-    gpus: list[dict[str, Any]] = Field(default_factory=list)
+    name: str = Field(min_length=1, max_length=128, pattern=_NO_NUL)
+    host: str = Field(min_length=1, max_length=256, pattern=_NO_NUL)
+    variants: list[VariantIn] = Field(max_length=1000)
+    cpu: float = Field(gt=0, le=1_000_000)
+    memory: int = Field(ge=0, le=MAX_INT)
+    gpus: list[GpuIn] = Field(default_factory=list, max_length=1024)
     strategy: Literal["pack", "spread"] = "pack"
     heartbeat_s: float | None = Field(None, gt=0, le=300)
-    worker_id: str | None = Field(None, max_length=40)
+    worker_id: str | None = Field(None, min_length=1, max_length=40, pattern=_NO_NUL)
 
 
 class HeartbeatIn(Strict):
-    metrics: dict[str, Any] | None = None
+    metrics: MetricsIn | None = None
     quarantined: dict[str, str] | None = None
 
 
 class LeaseIn(Strict):
     max_tasks: int = Field(16, ge=0, le=1000)
     wait_s: float = Field(20.0, ge=0, le=60)
-    running: list[str] = Field(default_factory=list)
+    running: list[TaskId] = Field(default_factory=list)
 
 
 class ResultIn(Strict):
-    task_id: str
-    attempt: int = Field(ge=1)
+    task_id: TaskId
+    attempt: int = Field(ge=1, le=MAX_INT32)
     status: Literal["succeeded", "failed"]
     output: Any = None
     error: dict[str, Any] | None = None
-    run_s: float | None = Field(None, ge=0)
-    started_at: float | None = None
+    run_s: float | None = Field(None, ge=0, le=MAX_RUN_S)  # bounded: a cost of run_s x price must be a number
+    started_at: float | None = Field(None, ge=0, le=MAX_EPOCH_S)  # a time every reader can format
+    # what held the process that ran it: {"process_group", "pdeathsig", "pid_namespace", "cgroup"} (containment.py)
+    isolation: dict[str, Any] | None = Field(None, max_length=32)
 
 
 class CompleteIn(Strict):
     results: list[ResultIn] = Field(max_length=10_000)
 
 
-MAX_EVENTS_PER_POST = 100_000
-
-
-def parse_events(body: Any) -> list[tuple[str, int, dict[str, Any]]]:
+def parse_events(body: Any, limits: RequestLimits) -> list[tuple[str, int, dict[str, Any]]]:
     """`{"events": [{task_id, attempt, event}, ...]}` -> tuples, checked by hand: a chatty task sends
     tens of thousands per second, and a model per event would cost more than storing it."""
     if not isinstance(body, dict) or set(body) != {"events"} or not isinstance(body["events"], list):
@@ -105,8 +239,9 @@ def parse_events(body: Any) -> list[tuple[str, int, dict[str, Any]]]:
             'body: expected {"events": [{"task_id", "attempt", "event"}, ...]}', field="events"
         )
     items = body["events"]
-    if len(items) > MAX_EVENTS_PER_POST:
-        raise InvalidInput(f"events: at most {MAX_EVENTS_PER_POST} per request", field="events")
+    if len(items) > limits.max_events_per_request:
+        raise PayloadTooLarge(f"events: {len(items)} in one request; {limits.describe('max_events_per_request')}",
+                              field="events")  # fmt: skip
     out = []
     for i, e in enumerate(items):
         if not isinstance(e, dict) or e.keys() != {"task_id", "attempt", "event"}:
@@ -116,8 +251,9 @@ def parse_events(body: Any) -> list[tuple[str, int, dict[str, Any]]]:
         task_id, attempt, event = e["task_id"], e["attempt"], e["event"]
         if (
             not isinstance(task_id, str)
+            or "\x00" in task_id
             or type(attempt) is not int
-            or attempt < 1
+            or not 1 <= attempt <= MAX_INT32
             or not isinstance(event, dict)
         ):
             raise InvalidInput(f"events.{i}: task_id must be a string, attempt an integer >= 1, event an object",
@@ -128,7 +264,7 @@ def parse_events(body: Any) -> list[tuple[str, int, dict[str, Any]]]:
 
 class TokenIn(Strict):
     role: str
-    tenant: str = "default"
+    tenant: str = Field("default", min_length=1, max_length=64, pattern=_NO_NUL)
 
 
 def iso(ts: float | None) -> str | None:
@@ -147,7 +283,7 @@ def task_out(t: Task) -> dict[str, Any]:
         "id": t.id, "tenant": t.tenant, "capability": t.spec.capability, "state": t.state.value,
         "input": t.spec.input, "output": t.output, "error": t.error,
         "device": t.device.value if t.device else None, "gpu_model": t.gpu_model, "worker": t.worker_id,
-        "gpus": gpus, "attempts": t.attempts, "routing": _public_routing(t.routing), "gpu": t.spec.gpu.value,
+        "gpus": gpus, "attempts": t.attempts, "routing": _public_routing(t.routing), "isolation": t.isolation, "gpu": t.spec.gpu.value,
         "priority": t.spec.priority, "labels": t.spec.labels, "timeout_s": t.spec.timeout_s,
         "max_retries": t.spec.max_retries, "idempotency_key": t.spec.idempotency_key,
         "queue_s": round(queue_s, 6) if queue_s is not None else None,

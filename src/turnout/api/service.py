@@ -3,7 +3,15 @@
 Every controller call runs on a single thread, so SQLite sees one writer and the controller's methods
 never interleave. That thread commits in groups: it takes every call that queued up while the last
 commit was on disk, runs each in its own savepoint, and commits them together, so a burst of requests
-costs one fsync, and no caller hears back before its change is durable.
+costs one fsync, and no caller hears back before its change is durable. A database failure inside a group
+(disk full, an I/O error, a dropped connection) can end its transaction early, so such a group is thrown
+away whole and each call runs again alone: a caller hears success only for a change that is on disk, and
+`StorageUnavailable` (503, Retry-After) otherwise.
+
+Liveness is judged on the event loop, not the database thread: a heartbeat is stamped when it arrives
+(`heard`) and answered without waiting behind slow writes, and a worker's held connection (`lifeline`)
+going away without coming back within `RECONNECT_GRACE_S` re-queues its tasks at once. A worker whose host
+vanishes without closing its socket is still judged by its heartbeats.
 
 Long polls (lease, result, events) wait on `Signal`s that fire when something they care about changes
 in this process; they also re-check every second, which is what makes several controllers on one
@@ -18,18 +26,27 @@ import functools
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from turnout.auth import TokenBook
 from turnout.controller import Controller
+from turnout.errors import NotFound, StorageUnavailable
+from turnout.models import Worker, WorkerState
+from turnout.store.sql import is_storage_failure
 
 log = logging.getLogger("turnout.api")
 R = TypeVar("R")
 POLL_S = 1.0
 MAX_GROUP = 512  # calls committed together at most
+HEARTBEAT_ANSWER_S = 0.5  # a heartbeat is answered by then even when its write still waits for the database
+RECONNECT_GRACE_S = 1.0  # a worker whose held connection dropped has this long to open a new one
+STORAGE_RETRY_AFTER_S = 5.0
+STORAGE_MESSAGE = (
+    "the database cannot take changes now (disk full or unreachable); nothing was changed, try again"
+)
 
 
 @dataclass
@@ -47,6 +64,16 @@ class _Job(Generic[R]):
             self.future.set_exception(self.error)
         else:
             self.future.set_result(self.result)
+
+
+class _GroupLost(Exception):
+    """A call in the group hit a database failure: the group's transaction cannot be trusted."""
+
+
+def storage_unavailable(exc: BaseException) -> StorageUnavailable:
+    """What a caller hears for a database failure; the driver's text (and any SQL) stays in the log."""
+    log.error("storage failure: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    return StorageUnavailable(STORAGE_MESSAGE, retry_after_s=STORAGE_RETRY_AFTER_S)
 
 
 class Signal:
@@ -78,10 +105,20 @@ class Signal:
 
 
 class Service:
-    def __init__(self, controller: Controller, tokens: TokenBook, *, auth: bool = True) -> None:
+    def __init__(
+        self,
+        controller: Controller,
+        tokens: TokenBook,
+        *,
+        auth: bool = True,
+        heartbeat_answer_s: float = HEARTBEAT_ANSWER_S,
+        reconnect_grace_s: float = RECONNECT_GRACE_S,
+    ) -> None:
         self.controller = controller
         self.tokens = tokens
         self.auth = auth
+        self.heartbeat_answer_s = heartbeat_answer_s
+        self.reconnect_grace_s = reconnect_grace_s
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._db = threading.Thread(target=self._run_jobs, name="turnout-db", daemon=True)
         self._db.start()
@@ -93,21 +130,38 @@ class Service:
             str, Signal
         ] = {}  # capacity freed on one worker: wakes only its lease poll
         self._reaper: asyncio.Task[None] | None = None
+        # worker id -> when its last heartbeat arrived (controller clock), stamped on the event loop: the
+        # reaper judges on this, so a heartbeat waiting behind a slow write still counts when it arrived
+        self.heard: dict[str, float] = {}
+        self._known: dict[str, tuple[str, float]] = {}  # worker id -> (state, heartbeat_s) last written
+        self._lifelines: dict[str, int] = {}  # worker id -> held connections open now
+        self._lifeline_epoch: dict[str, int] = {}  # worker id -> connections ever opened
+        self._background: set[asyncio.Task[Any]] = set()
+        self.closing = asyncio.Event()  # set when the controller begins to stop: held connections end cleanly
+
+    # ---- the database thread -------------------------------------------------------------------
 
     async def read(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         """Run a read-only `fn` beside the writer: it sees committed state and waits for no commit."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._readers, functools.partial(fn, *args, **kwargs))
+        try:
+            return await loop.run_in_executor(self._readers, functools.partial(fn, *args, **kwargs))
+        except Exception as exc:
+            if is_storage_failure(exc):
+                raise storage_unavailable(exc) from None
+            raise
 
     async def call(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
-        """Run `fn` on the database thread; returns once its writes are committed."""
+        """Run `fn` on the database thread; returns once its writes are committed (durable), and only then.
+
+        Raises `StorageUnavailable` when the database could not keep them: nothing of `fn` is stored then.
+        """
         loop = asyncio.get_running_loop()
         future: asyncio.Future[R] = loop.create_future()
         self._jobs.put(_Job(functools.partial(fn, *args, **kwargs), loop, future))
         return await future
 
     def _run_jobs(self) -> None:
-        store = self.controller.store
         while True:
             first = self._jobs.get()
             if first is None:
@@ -122,20 +176,58 @@ class Service:
                     self._jobs.put(None)
                     break
                 batch.append(job)
-            try:
-                with store.group() as conn:
-                    for job in batch:
-                        try:
-                            with conn.begin_nested():  # a failing call undoes only its own writes
-                                job.result = job.fn()
-                        except BaseException as exc:
-                            job.error = exc
-            except Exception as exc:  # the commit itself failed: nobody's change is durable
-                log.exception("commit failed")
+            if not self._run_group(batch):
+                # Nothing of the group is on disk (SQLite may even have run later calls outside the
+                # transaction). Forget what was read inside it, and run every call again on its own.
+                self.controller.forget_cached()
                 for job in batch:
-                    job.error = job.error or exc
+                    job.result = job.error = None
+                    self._run_alone(job)
             for job in batch:
                 job.loop.call_soon_threadsafe(job.settle)
+
+    def _run_group(self, batch: list[_Job[Any]]) -> bool:
+        """Run the calls in one transaction, each in a savepoint; False if the transaction was lost."""
+        store = self.controller.store
+        try:
+            with store.group() as conn:
+                for job in batch:
+                    try:
+                        with conn.begin_nested():  # a failing call undoes only its own writes
+                            job.result = job.fn()
+                    except BaseException as exc:
+                        job.error = exc
+                        if is_storage_failure(exc) or not store.intact(conn):
+                            raise _GroupLost from exc
+                    # checked after every call, not only failed ones: a call that swallowed a database
+                    # error leaves SQLite outside the transaction, where the next call must not run
+                    if not store.intact(conn):
+                        raise _GroupLost
+        except _GroupLost as lost:
+            log.warning("a group of %d calls was lost to a database failure (%s); running each alone",
+                        len(batch), lost.__cause__ or "transaction ended early")  # fmt: skip
+            return False
+        except Exception as exc:  # the commit itself failed: nobody's change is durable
+            log.warning("commit of %d calls failed (%s); running each alone", len(batch), exc)
+            return False
+        return True
+
+    def _run_alone(self, job: _Job[Any]) -> None:
+        """Run one call in a transaction of its own, after its group was lost; a database failure is a 503."""
+        store = self.controller.store
+        try:
+            with store.group() as conn:
+                job.result = job.fn()
+                if not store.intact(conn):
+                    raise _GroupLost
+        except BaseException as exc:
+            job.result = None
+            lost = isinstance(exc, _GroupLost) or is_storage_failure(exc)
+            job.error = storage_unavailable(exc) if lost else exc
+            if lost:
+                self.controller.forget_cached()
+
+    # ---- wake-ups ------------------------------------------------------------------------------
 
     def worker_signal(self, worker_id: str) -> Signal:
         signal = self._worker_signals.get(worker_id)
@@ -147,14 +239,110 @@ class Service:
         self.queue_changed.notify()
         self.tasks_changed.notify()
 
+    # ---- liveness ------------------------------------------------------------------------------
+
+    async def heartbeat(
+        self, worker_id: str, *, metrics: dict[str, Any] | None, quarantined: dict[str, str] | None
+    ) -> tuple[str, float]:
+        """Record a heartbeat as arrived now; answer (state, heartbeat_s) without waiting on a slow database.
+
+        The write (metrics, and `last_heartbeat` for other controllers on the same PostgreSQL) goes on the
+        database thread; if it has not finished within `heartbeat_answer_s`, the answer is the last known
+        state and the write finishes on its own. A worker that left (404) hears so once the write says it.
+        """
+        at = self.controller.clock()
+        self.heard[worker_id] = at
+        write = asyncio.ensure_future(
+            self.call(self.controller.heartbeat, worker_id, metrics=metrics, quarantined=quarantined, at=at)
+        )
+        write.add_done_callback(functools.partial(self._heartbeat_written, worker_id))
+        done, _ = await asyncio.wait({write}, timeout=self.heartbeat_answer_s)
+        if write in done:
+            worker: Worker = write.result()  # raises NotFound for a worker that left
+            return worker.state.value, worker.heartbeat_s
+        known = self._known.get(worker_id)
+        if known is not None and known[0] == WorkerState.GONE.value:
+            raise NotFound(f"worker {worker_id} has left; register again", field="worker")
+        return known or (WorkerState.HEALTHY.value, self.controller.settings.heartbeat_s)
+
+    def _heartbeat_written(self, worker_id: str, write: asyncio.Future[Worker]) -> None:
+        if write.cancelled():
+            return
+        exc = write.exception()
+        if isinstance(exc, NotFound):
+            self._known[worker_id] = (WorkerState.GONE.value, self.controller.settings.heartbeat_s)
+            self.heard.pop(worker_id, None)
+        elif exc is None:
+            worker = write.result()
+            self._known[worker_id] = (worker.state.value, worker.heartbeat_s)
+
+    def registered(self, worker: Worker) -> None:
+        """A worker (re-)registered: it counts as heard now, and whatever was known of it is stale."""
+        self.heard[worker.id] = worker.last_heartbeat
+        self._known[worker.id] = (worker.state.value, worker.heartbeat_s)
+
+    def lifeline_opened(self, worker_id: str) -> None:
+        self._lifelines[worker_id] = self._lifelines.get(worker_id, 0) + 1
+        self._lifeline_epoch[worker_id] = self._lifeline_epoch.get(worker_id, 0) + 1
+
+    def lifeline_closed(self, worker_id: str, *, by_peer: bool) -> None:
+        """A held connection ended. If the worker closed it (`by_peer`) and opens no new one within the
+        grace, its process is taken to be gone: its tasks go back to the queue now, not three heartbeats on."""
+        self._lifelines[worker_id] = max(0, self._lifelines.get(worker_id, 0) - 1)
+        if not by_peer or self.closing.is_set():
+            return
+        epoch = self._lifeline_epoch.get(worker_id, 0)
+        closed_at = self.controller.clock()
+        loop = asyncio.get_running_loop()
+        loop.call_later(
+            self.reconnect_grace_s,
+            lambda: self._spawn(self._judge_closed(worker_id, epoch, closed_at)),
+        )
+
+    async def _judge_closed(self, worker_id: str, epoch: int, closed_at: float) -> None:
+        if self.closing.is_set() or self._lifelines.get(worker_id, 0) > 0:
+            return
+        if self._lifeline_epoch.get(worker_id, 0) != epoch:
+            return  # it reconnected (and maybe dropped again: that drop is judged on its own)
+        if self.heard.get(worker_id, 0.0) > closed_at:
+            return  # it heartbeats: alive, only the connection was cut (a proxy, another controller)
+        try:
+            if await self.call(self.controller.connection_closed, worker_id, closed_at):
+                self.changed()
+        except Exception:  # the heartbeat judgement still applies later
+            log.exception("re-queueing the tasks of worker %s (connection closed) failed", worker_id)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ---- start and stop ------------------------------------------------------------------------
+
     async def start(self) -> None:
         self._reaper = asyncio.create_task(self._sweep_forever())
 
+    def begin_shutdown(self) -> None:
+        """The server is going down (a signal): end held connections cleanly, and judge no worker by them.
+
+        Safe to call from a signal handler in the loop's thread, or from another thread."""
+        with contextlib.suppress(RuntimeError):  # no loop running: nothing is held
+            self._loop().call_soon_threadsafe(self.closing.set)
+
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        if self._reaper is None:
+            raise RuntimeError("not started")
+        return self._reaper.get_loop()
+
     async def stop(self) -> None:
+        self.closing.set()
         if self._reaper:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         self._jobs.put(None)
         await asyncio.get_running_loop().run_in_executor(None, self._db.join)
         self._readers.shutdown(wait=True)
@@ -162,10 +350,16 @@ class Service:
 
     async def _sweep_forever(self) -> None:
         interval = self.controller.settings.reap_interval_s
+        failing = False
         while True:
             try:
-                if await self.call(self.controller.reap):
+                if await self.call(self.controller.reap, self.heard):
                     self.changed()
-            except Exception:  # the sweep must outlive a bad moment (a locked db, a dropped connection)
-                log.exception("sweep failed; retrying")
+                if failing:
+                    log.warning("sweep works again")
+                failing = False
+            except Exception:  # the sweep must outlive a bad moment (a full disk, a dropped connection)
+                if not failing:
+                    log.exception("sweep failed; retrying every %g s", interval)
+                failing = True
             await asyncio.sleep(interval)

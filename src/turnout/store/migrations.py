@@ -29,9 +29,30 @@ def _queue_order_and_nulls(conn: sa.Connection) -> None:
             conn.execute(sa.text(f"UPDATE {table} SET {col} = NULL WHERE CAST({col} AS TEXT) = 'null'"))
 
 
+def _known_capabilities(conn: sa.Connection) -> None:
+    schema.capabilities.create(conn, checkfirst=True)
+    known = {row[0] for row in conn.execute(sa.select(schema.capabilities.c.name))}
+    names: set[str] = set()
+    for (variants,) in conn.execute(sa.select(schema.workers.c.variants)):
+        names |= {v["capability"] for v in variants or () if isinstance(v, dict) and "capability" in v}
+    now = time.time()
+    rows = [{"name": n, "first_seen_at": now} for n in sorted(names - known)]
+    if rows:
+        conn.execute(schema.capabilities.insert(), rows)
+
+
+def _task_isolation(conn: sa.Connection) -> None:
+    if "isolation" in {c["name"] for c in sa.inspect(conn).get_columns("tasks")}:
+        return  # a database made by `_initial` from today's schema has it already
+    kind = schema.tasks.c.isolation.type.compile(dialect=conn.dialect)
+    conn.execute(sa.text(f"ALTER TABLE tasks ADD COLUMN isolation {kind}"))
+
+
 MIGRATIONS: list[Migration] = [
     (1, "initial tables", _initial),
     (2, "lease-order index; JSON null as SQL NULL", _queue_order_and_nulls),
+    (3, "tasks.isolation: what held a task's processes", _task_isolation),
+    (4, "capabilities ever registered, from the workers so far", _known_capabilities),
 ]
 
 
@@ -49,4 +70,4 @@ def migrate(engine: sa.Engine) -> int:
             conn.execute(
                 schema.schema_migrations.insert().values(version=version, name=name, applied_at=time.time())
             )
-    return MIGRATIONS[-1][0]
+    return max(version for version, _, _ in MIGRATIONS)

@@ -37,6 +37,7 @@ tasks = sa.Table(
     sa.Column("gpu_model", sa.String(128)),
     sa.Column("alloc", Json),  # resources held while leased/running: cpu, memory
     sa.Column("routing", Json),
+    sa.Column("isolation", Json),  # what held the task's processes on its worker (worker/containment.py)
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("queued_at", sa.Float),
     sa.Column("leased_at", sa.Float),
@@ -104,6 +105,15 @@ audit = sa.Table(
     sa.Column("kind", sa.String(32), nullable=False),
     sa.Column("tenant", sa.String(64)),
     sa.Column("body", Json, nullable=False),
+)
+
+# every capability a worker ever registered: a submit of any other is refused at once (a typo), while a pool
+# scaled to zero keeps its name known
+capabilities = sa.Table(
+    "capabilities",
+    metadata,
+    sa.Column("name", sa.String(64), primary_key=True),
+    sa.Column("first_seen_at", sa.Float, nullable=False),
 )
 
 schema_migrations = sa.Table(

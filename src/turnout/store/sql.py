@@ -11,14 +11,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sqlite3
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-from turnout.errors import InvalidInput
+from turnout.errors import IdempotencyConflict, InvalidInput
 from turnout.models import (
     Device,
     GpuMode,
@@ -49,8 +52,56 @@ def normalise_url(url: str) -> str:
 def open_store(url: str) -> SqlStore:
     url = normalise_url(url)
     if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
-        Path(url[len("sqlite:///") :]).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        private_sqlite_file(Path(url[len("sqlite:///") :]).expanduser())
     return SqlStore(url)
+
+
+def private_sqlite_file(path: Path) -> None:
+    """Make the database file (and its -wal and -shm) readable by this user only, before SQLite opens it.
+
+    Tasks' inputs and outputs, token hashes and the audit log live there. SQLite gives the -wal and -shm it
+    creates the main file's mode, so creating the main file 0600 covers them; files left by an older
+    version are tightened too. A directory made here is 0700; one that exists is left as it is.
+    """
+    if not path.parent.exists():
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    for name in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+        with contextlib.suppress(FileNotFoundError):
+            if name.stat().st_mode & 0o077:
+                name.chmod(0o600)
+
+
+# Driver errors that mean the database itself failed (full, I/O error, gone, locked past the busy timeout),
+# as opposed to a statement the database refused (a constraint): a transaction they hit may be gone whole.
+_STORAGE_ERRORS: tuple[type[BaseException], ...] = (
+    sa.exc.OperationalError,
+    sa.exc.InterfaceError,
+    sa.exc.InternalError,
+    sqlite3.OperationalError,
+    sqlite3.InterfaceError,
+    sqlite3.InternalError,
+)
+
+
+def is_storage_failure(exc: BaseException) -> bool:
+    """Whether `exc`, or an error it was raised from, is the database failing rather than refusing a statement."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, _STORAGE_ERRORS) or (
+            isinstance(cur, sa.exc.DBAPIError) and cur.connection_invalidated
+        ):
+            return True
+        if type(cur).__module__.startswith("psycopg") and type(cur).__name__ in (
+            "OperationalError",
+            "InterfaceError",
+            "InternalError",
+        ):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 class SqlStore:
@@ -74,13 +125,34 @@ class SqlStore:
 
     @contextlib.contextmanager
     def group(self) -> Iterator[sa.Connection]:
-        """One transaction for everything this thread does inside; committed (durably) on exit."""
+        """One transaction for everything this thread does inside; committed (durably) on exit.
+
+        A database failure inside (disk full, I/O error, a dropped connection) may end the transaction
+        early, and SQLite then runs later statements outside it: check `intact(conn)` after each step,
+        and treat a group that is not intact as wholly lost.
+        """
         with self.engine.begin() as conn:
             self._local.conn = conn
             try:
                 yield conn
             finally:
                 self._local.conn = None
+
+    def intact(self, conn: sa.Connection) -> bool:
+        """Whether the group's transaction is still open, so that committing it would keep all it holds."""
+        if conn.invalidated or conn.closed:
+            return False
+        try:
+            raw = conn.connection.dbapi_connection
+        except sa.exc.SQLAlchemyError:
+            return False
+        if self.dialect == "sqlite":
+            return bool(getattr(raw, "in_transaction", False))
+        # psycopg 3: INERROR (a failed statement outside any savepoint) or UNKNOWN (a broken connection) lose
+        # the transaction; IDLE is a transaction that has not started, as when nothing was written yet
+        info = getattr(raw, "info", None)
+        status = getattr(getattr(info, "transaction_status", None), "name", "INTRANS")
+        return status in ("INTRANS", "ACTIVE", "IDLE")
 
     def _write(self) -> contextlib.AbstractContextManager[sa.Connection]:
         return self._connection(write=True)
@@ -101,32 +173,55 @@ class SqlStore:
     # ---- tasks -------------------------------------------------------------------------------
 
     def insert_tasks(self, tasks: Sequence[Task]) -> list[Task]:
-        """Insert new tasks; a task whose (tenant, idempotency_key) exists yields the stored one instead."""
+        """Insert new tasks, all or none. A task whose (tenant, idempotency_key) is taken yields the stored task
+        when it asks for the same thing, and raises IdempotencyConflict (naming its index) when it does not.
+
+        Two controllers may race on one key (PostgreSQL): the loser's insert meets the unique index and waits
+        for the winner's commit; it then reads the winner's task and decides as if it had come second.
+        """
         keyed = [t for t in tasks if t.spec.idempotency_key]
+        races_left = 3
         with self._write() as conn:
-            existing: dict[tuple[str, str], Task] = {}
-            if keyed:
-                rows = conn.execute(
-                    sa.select(T).where(
-                        T.c.tenant.in_({t.tenant for t in keyed}),
-                        T.c.idempotency_key.in_({t.spec.idempotency_key for t in keyed}),
-                    )
-                )
-                existing = {(r.tenant, r.idempotency_key): _task(r) for r in rows}
-            out: list[Task] = []
-            fresh: list[dict[str, Any]] = []
-            for t in tasks:
-                key = (t.tenant, t.spec.idempotency_key or "")
-                if t.spec.idempotency_key and key in existing:
-                    out.append(existing[key])
-                    continue
-                if t.spec.idempotency_key:
-                    existing[key] = t
-                fresh.append(_task_row(t))
-                out.append(t)
-            if fresh:
-                conn.execute(T.insert(), fresh)
-        return out
+            while True:
+                out, fresh = _dedupe(tasks, self._tasks_by_key(conn, keyed) if keyed else {})
+                if not fresh:
+                    return out
+                if not keyed:
+                    conn.execute(T.insert(), fresh)
+                    return out
+                try:  # in a savepoint: a lost race undoes only this insert, not the caller's transaction
+                    with conn.begin_nested():
+                        conn.execute(T.insert(), fresh)
+                    return out
+                except sa.exc.IntegrityError:
+                    races_left -= 1
+                    if not races_left:
+                        raise
+
+    def _tasks_by_key(self, conn: sa.Connection, keyed: Sequence[Task]) -> dict[tuple[str, str], Task]:
+        rows = conn.execute(
+            sa.select(T).where(
+                T.c.tenant.in_({t.tenant for t in keyed}),
+                T.c.idempotency_key.in_({t.spec.idempotency_key for t in keyed}),
+            )
+        )
+        return {(r.tenant, r.idempotency_key): _task(r) for r in rows}
+
+    # ---- capabilities ------------------------------------------------------------------------
+
+    def known_capabilities(self) -> set[str]:
+        """Every capability a worker ever registered (workers that left included)."""
+        with self._read() as conn:
+            return {name for (name,) in conn.execute(sa.select(schema.capabilities.c.name))}
+
+    def remember_capabilities(self, names: Iterable[str], now: float) -> None:
+        """Record capabilities as known, once each; safe when several controllers record the same name."""
+        rows = [{"name": n, "first_seen_at": now} for n in sorted(set(names))]
+        if not rows:
+            return
+        insert = (sqlite_insert if self.dialect == "sqlite" else pg_insert)(schema.capabilities)
+        with self._write() as conn:
+            conn.execute(insert.on_conflict_do_nothing(index_elements=["name"]), rows)
 
     def get_task(self, task_id: str) -> Task | None:
         with self._read() as conn:
@@ -251,6 +346,36 @@ class SqlStore:
             for cap, state, n in conn.execute(query):
                 out.setdefault(cap, {})[state] = n
         return out
+
+    def task_stats(
+        self,
+        states: Iterable[TaskState] | None = None,
+        run_s_buckets: Sequence[float] = (),
+        *,
+        tenant: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """Counts per (capability, state, device, gpu_mode), in one grouped scan, for metrics and the dashboard
+        (`tenant`: only that tenant's tasks).
+
+        Each row: those four keys, `count`, `run_s_count` and `run_s_sum` (tasks with a run time), `cost_usd`
+        (their summed cost), and `run_s_buckets`: how many ran at most each of `run_s_buckets` seconds.
+        """
+        keys = (T.c.capability, T.c.state, T.c.device, T.c.gpu_mode)
+        aggs = [sa.func.count(), sa.func.count(T.c.run_s), sa.func.coalesce(sa.func.sum(T.c.run_s), 0.0),
+                sa.func.coalesce(sa.func.sum(T.c.cost_usd), 0.0),
+                *(sa.func.sum(sa.case((T.c.run_s <= b, 1), else_=0)) for b in run_s_buckets)]  # fmt: skip
+        query = sa.select(*keys, *aggs).group_by(*keys)
+        if states is not None:
+            query = query.where(T.c.state.in_([s.value for s in states]))
+        if tenant is not None:
+            query = query.where(T.c.tenant == tenant)
+        with self._read() as conn:
+            return [
+                {"capability": r[0], "state": r[1], "device": r[2], "gpu_mode": r[3], "count": int(r[4]),
+                 "run_s_count": int(r[5]), "run_s_sum": float(r[6]), "cost_usd": float(r[7]),
+                 "run_s_buckets": [int(n or 0) for n in r[8:]]}
+                for r in conn.execute(query)
+            ]  # fmt: skip
 
     def update_tasks(
         self, changes: Sequence[tuple[str, Sequence[TaskState], int | None, dict[str, Any]]]
@@ -433,6 +558,29 @@ def _encode(values: dict[str, Any]) -> dict[str, Any]:
     return {k: (v.value if isinstance(v, TaskState | Device | GpuMode) else v) for k, v in values.items()}
 
 
+def _dedupe(
+    tasks: Sequence[Task], taken: dict[tuple[str, str], Task]
+) -> tuple[list[Task], list[dict[str, Any]]]:
+    """(what to answer per task, the rows to insert): a taken key answers its task when the request is the
+    same, else IdempotencyConflict. Keys repeated within one batch follow the same rule."""
+    taken = dict(taken)
+    out: list[Task] = []
+    fresh: list[dict[str, Any]] = []
+    for i, t in enumerate(tasks):
+        key = t.spec.idempotency_key
+        if key:
+            first = taken.get((t.tenant, key))
+            if first is not None:
+                if first.spec != t.spec:
+                    raise IdempotencyConflict(key, first.id, index=i)
+                out.append(first)
+                continue
+            taken[(t.tenant, key)] = t
+        fresh.append(_task_row(t))
+        out.append(t)
+    return out, fresh
+
+
 def _task_row(t: Task) -> dict[str, Any]:
     s = t.spec
     return {
@@ -446,6 +594,7 @@ def _task_row(t: Task) -> dict[str, Any]:
         "queued_at": t.queued_at, "leased_at": t.leased_at, "started_at": t.started_at,
         "finished_at": t.finished_at, "run_s": t.run_s, "cost_usd": t.cost_usd,
         "unservable_since": t.unservable_since, "pipeline_run_id": t.pipeline_run_id, "alloc": t.alloc,
+        "isolation": t.isolation,
     }  # fmt: skip
 
 
@@ -463,7 +612,7 @@ def _task(r: Any) -> Task:
         device=Device(r.device) if r.device else None, gpus=r.gpus, gpu_model=r.gpu_model, routing=r.routing,
         queued_at=r.queued_at, leased_at=r.leased_at, started_at=r.started_at, finished_at=r.finished_at,
         run_s=r.run_s, cost_usd=r.cost_usd, unservable_since=r.unservable_since, pipeline_run_id=r.pipeline_run_id,
-        alloc=r.alloc,
+        alloc=r.alloc, isolation=r.isolation,
     )  # fmt: skip
 
 

@@ -2,7 +2,9 @@
 
 Four loops share one HTTP client: heartbeat (liveness and GPU metrics), lease (a long poll that also
 names the tasks still running here, so the controller can tell us which to stop), and two senders that
-batch completions and events, so a chatty task or a burst of tiny ones costs few requests.
+batch completions and events, so a chatty task or a burst of tiny ones costs few requests. Every result
+and event is checked once as it is queued (`reports`): what JSON cannot carry fails its task with
+`invalid_output`, and the senders never die, whatever the controller answers.
 """
 
 from __future__ import annotations
@@ -28,12 +30,22 @@ from turnout.gpu.devices import GpuDevice, units_of
 from turnout.gpu.provider import Discovery, discover
 from turnout.models import Device, Variant
 from turnout.worker.app import HandlerVariant, WorkerApplication
+from turnout.worker.delivery import Refusal, Replace, deliver
 from turnout.worker.gpuwatch import GpuWatch, SharedTask, memory_over_limit, process_tree
 from turnout.worker.processes import Outcome, ProcessPool, ProtocolProcess
+from turnout.worker.reports import (
+    checked_completion,
+    event_problem,
+    invalid_output,
+    refused_completion,
+    with_event_failure,
+)
 from turnout.worker.visibility import gpu_env
 
 log = logging.getLogger("turnout.worker")
 PROCESS_FAULTS = frozenset({"timeout", "process_exited", "setup_failed", "gpu_memory_exceeded"})
+MAX_REPORT_BATCH = 5000
+LIFELINE_READ_S = 15.0  # the controller pings the lifeline every 5 s; three missed pings: reconnect
 
 
 @dataclass(frozen=True)
@@ -100,7 +112,12 @@ def grant_key(grant: dict[str, Any] | None) -> tuple[str, ...]:
 
 class Agent:
     def __init__(
-        self, settings: AgentSettings, runnables: list[Runnable], discovery: Discovery | None = None
+        self,
+        settings: AgentSettings,
+        runnables: list[Runnable],
+        discovery: Discovery | None = None,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,  # tests: a stand-in controller in-process
     ) -> None:
         self.settings = settings
         self.discovery = discovery or discover(settings.gpus)
@@ -118,7 +135,7 @@ class Agent:
         self._stop_reason: dict[str, dict[str, Any]] = {}  # why the worker itself stopped a task
         headers = {"Authorization": f"Bearer {settings.token}"} if settings.token else {}
         self.http = httpx.AsyncClient(base_url=settings.controller_url.rstrip("/"), headers=headers,
-                                      timeout=httpx.Timeout(10.0, read=90.0))  # fmt: skip
+                                      timeout=httpx.Timeout(10.0, read=90.0), transport=transport)  # fmt: skip
         self.worker_id: str | None = None
         self.running: dict[str, asyncio.Task[None]] = {}
         self._completions: list[dict[str, Any]] = []
@@ -126,6 +143,9 @@ class Agent:
         self._completions_ready = asyncio.Event()
         self._events_ready = asyncio.Event()
         self._events_lock = asyncio.Lock()  # one sender at a time, so events are stored once and in order
+        self._completions_lock = asyncio.Lock()  # the loop and a shutdown flush must not send one twice
+        # (task_id, attempt) -> the invalid_output error of an event of that attempt that could not be carried
+        self._event_failures: dict[tuple[str, int], dict[str, Any]] = {}
         self._leasing = True
         self._registered = asyncio.Event()
 
@@ -147,7 +167,8 @@ class Agent:
     async def run(self, stop: asyncio.Event) -> None:
         await self.register()
         loops = [asyncio.create_task(c) for c in (self._heartbeat_loop(), self._lease_loop(), self._send_completions(),
-                                                   self._send_events(), self._reap_idle_loop())]  # fmt: skip
+                                                   self._send_events(), self._reap_idle_loop(),
+                                                   self._lifeline_loop())]  # fmt: skip
         for r in self.runnables.values():
             with contextlib.suppress(Exception):
                 await r.pool.prewarm()
@@ -163,8 +184,13 @@ class Agent:
             await asyncio.wait(list(self.running.values()), timeout=self.settings.drain_grace_s)
         for t in list(self.running.values()):
             t.cancel()
-        with contextlib.suppress(asyncio.TimeoutError):  # a controller that is gone too must not hold us
+        try:  # a controller that is gone too must not hold us, nor a report it cannot take
             await asyncio.wait_for(self._flush(), timeout=5.0)
+        except asyncio.TimeoutError:
+            log.warning("leaving with %d results and %d events unsent: the controller did not take them in 5 s",
+                        len(self._completions), len(self._events))  # fmt: skip
+        except Exception:
+            log.exception("sending the last reports failed; leaving anyway")
         for loop in loops:
             loop.cancel()
         await asyncio.gather(*loops, return_exceptions=True)
@@ -224,6 +250,8 @@ class Agent:
                     await self.register()
             except httpx.HTTPError as exc:
                 log.warning("heartbeat failed: %s", exc)
+            except Exception:  # e.g. metrics JSON cannot carry: the next beat must still happen
+                log.exception("heartbeat failed")
 
     def _metrics(self) -> dict[str, Any]:
         gpus = [asdict(m) for m in self.watch.sample()] if self.devices else []
@@ -260,7 +288,13 @@ class Agent:
             try:
                 resp = await self.http.post(
                     f"/v1/workers/{self.worker_id}/lease",
-                    json={"max_tasks": self.settings.max_lease, "wait_s": 20, "running": list(self.running)},
+                    # held = running or finished with its result not yet sent: the controller re-queues a
+                    # lease this worker does not list (its answer was lost), so list all it still holds
+                    json={
+                        "max_tasks": self.settings.max_lease,
+                        "wait_s": 20,
+                        "running": [*self.running, *(c["task_id"] for c in self._completions)],
+                    },
                 )
                 if resp.status_code == 404:
                     await self.register()
@@ -284,8 +318,15 @@ class Agent:
     async def _execute(self, lease: dict[str, Any]) -> None:
         task_id, attempt = lease["id"], lease["attempt"]
         runnable = self.runnables.get(f"{lease['capability']}:{lease['device']}")
+        emitted = 0
 
         def sink(event: dict[str, Any]) -> None:
+            nonlocal emitted
+            emitted += 1
+            where = event_problem(event, emitted)
+            if where is not None:
+                self._event_not_carried(task_id, attempt, invalid_output(*where))
+                return
             self._events.append({"task_id": task_id, "attempt": attempt, "event": event})
             self._events_ready.set()
 
@@ -317,6 +358,7 @@ class Agent:
             self.running.pop(task_id, None)
             reason = self._stop_reason.pop(task_id, None)
             if reason is None:
+                self._event_failures.pop((task_id, attempt), None)
                 return  # the controller asked us to stop: it already knows
             outcome = Outcome(False, error=reason)
         except Exception as exc:
@@ -325,11 +367,28 @@ class Agent:
                 False, error={"type": "worker_error", "message": f"{type(exc).__name__}: {exc}"}
             )
         self.running.pop(task_id, None)
-        self._completions.append({
+        completion = {
             "task_id": task_id, "attempt": attempt, "status": "succeeded" if outcome.succeeded else "failed",
             "output": outcome.output, "error": outcome.error, "run_s": outcome.run_s, "started_at": outcome.started_at,
-        })  # fmt: skip
+            "isolation": outcome.isolation,  # what held its process: containment.py
+        }  # fmt: skip
+        self._completions.append(checked_completion(completion))
         self._completions_ready.set()
+
+    def _event_not_carried(self, task_id: str, attempt: int, error: dict[str, Any]) -> None:
+        """An event of this attempt is dropped, and its task will fail `invalid_output` (see `with_event_failure`).
+
+        Only the first bad event of an attempt is reported (a progress loop may emit NaN a million times);
+        followers of the stream see a `log` event saying what was dropped, where the event would have been.
+        """
+        key = (task_id, attempt)
+        if key in self._event_failures:
+            return
+        self._event_failures[key] = error
+        log.warning("task %s: an event was dropped: %s", task_id, error["message"])
+        note = {"event": "log", "stream": "turnout", "line": f"event dropped: {error['message']}"}
+        self._events.append({"task_id": task_id, "attempt": attempt, "event": note})
+        self._events_ready.set()
 
     async def _send_completions(self) -> None:
         await self._drain_forever(self._completions_ready, self._post_completions)
@@ -338,36 +397,88 @@ class Agent:
         await self._drain_forever(self._events_ready, self._post_events)
 
     async def _drain_forever(self, ready: asyncio.Event, post: Callable[[], Awaitable[None]]) -> None:
-        """Send whatever accumulated while the previous request was in flight: natural batching."""
+        """Send whatever accumulated while the previous request was in flight: natural batching.
+
+        Never returns: a sender that died would leave every later result of this worker in memory and its
+        tasks `running` while it heartbeats. `post` handles what it expects; anything else is logged here.
+        """
         while True:
             await ready.wait()
             ready.clear()
-            await post()
+            try:
+                await post()
+            except Exception:
+                log.exception("sending reports failed; trying again in 1 s")
+                ready.set()
+                await asyncio.sleep(1.0)
 
     async def _post_events(self) -> None:
         async with self._events_lock:
-            await self._post_batch(self._events, "events", "events")
+            await self._post_batch(self._events, "events", "events", self._refused_event)
 
     async def _post_completions(self) -> None:
-        # A task's events are stored before its completion: a stream that ends when the task does misses none.
-        await self._post_events()
-        await self._post_batch(self._completions, "complete", "results")
+        # A task's events are stored (or refused) before its completion: a stream that ends when the task does
+        # misses none, and a completion is sent only once its events' fate is known. A task queues its events
+        # before its completion, so the completions counted here have all their events in what is posted next.
+        async with self._completions_lock:
+            count = len(self._completions)
+            await self._post_events()
+            self._apply_event_failures(count)
+            await self._post_batch(
+                self._completions, "complete", "results", self._refused_completion, limit=count
+            )
 
-    async def _post_batch(self, buf: list[dict[str, Any]], path: str, key: str) -> None:
-        while buf:
-            batch = buf[:5000]
-            try:
-                resp = await self.http.post(
-                    f"/v1/workers/{self.worker_id}/{path}", json={key: batch}, timeout=30
-                )
-                resp.raise_for_status()
-                del buf[: len(batch)]
-            except httpx.HTTPError as exc:
-                log.warning("sending %s failed (%s); retrying", path, exc)
-                await asyncio.sleep(0.5)
+    def _apply_event_failures(self, count: int) -> None:
+        """Fail each of the first `count` queued successes whose stream lost an event; forget the rest.
+
+        What is left belongs to attempts still running or queued later, or to attempts that are over with
+        no completion to fail (the controller stopped them): those are forgotten.
+        """
+        for i in range(count):
+            completion = self._completions[i]
+            error = self._event_failures.pop((completion["task_id"], completion["attempt"]), None)
+            self._completions[i] = with_event_failure(completion, error)
+        queued = {(c["task_id"], c["attempt"]) for c in self._completions}  # some came in after `count`
+        for key in [k for k in self._event_failures if k[0] not in self.running and k not in queued]:
+            del self._event_failures[key]
+
+    @staticmethod
+    def _refused_completion(item: dict[str, Any], refusal: Refusal) -> dict[str, Any] | None:
+        return refused_completion(item, refusal.status, refusal.message, refusal.field)
+
+    def _refused_event(self, item: dict[str, Any], refusal: Refusal) -> dict[str, Any] | None:
+        """An event the controller refused is dropped, and its task fails like one JSON could not carry."""
+        where = (
+            f"event {item.get('event', {}).get('event')!r}"
+            if isinstance(item.get("event"), dict)
+            else "an event"
+        )
+        error = invalid_output(
+            "events", f"the controller refused {where} of this task ({refusal.describe()})"
+        )
+        if isinstance(item.get("task_id"), str) and isinstance(item.get("attempt"), int):
+            self._event_failures.setdefault((item["task_id"], item["attempt"]), error)
+        return None
+
+    async def _post_batch(self, buf: list[dict[str, Any]], path: str, key: str, replace: Replace,
+                          limit: int | None = None) -> None:  # fmt: skip
+        """Deliver the first `limit` items of `buf` (all: None) in batches; each batch leaves `buf` only once
+        every item in it is settled (stored, replaced or dropped), so a cancelled send loses nothing."""
+
+        async def post(body: bytes) -> httpx.Response:
+            return await self.http.post(f"/v1/workers/{self.worker_id}/{path}", content=body, timeout=30,
+                                        headers={"Content-Type": "application/json"})  # fmt: skip
+
+        left = len(buf) if limit is None else limit
+        while left > 0 and buf:
+            batch = buf[: min(left, MAX_REPORT_BATCH)]
+            await deliver(post, key, batch, replace, f"{path} reports")
+            del buf[: len(batch)]
+            left -= len(batch)
 
     async def _flush(self) -> None:
-        await self._post_completions()
+        while self._completions or self._events:
+            await self._post_completions()
 
     async def _reap_idle_loop(self) -> None:
         while True:
@@ -377,3 +488,32 @@ class Agent:
 
     def handler_pids(self) -> list[int]:
         return [pid for r in self.runnables.values() for pid in r.pool.pids()]
+
+    async def _lifeline_loop(self) -> None:
+        """Hold `GET /v1/workers/{id}/lifeline` open for as long as this process lives, reopening it at once.
+
+        If this process dies, however it dies, the kernel closes the connection and the controller re-queues
+        its tasks within a second or two instead of three heartbeats. The controller sends a byte every few
+        seconds; none for LIFELINE_READ_S means the connection is dead, and a new one is opened.
+        """
+        clock = asyncio.get_running_loop().time
+        delay_s = 0.0
+        while True:
+            await self._registered.wait()
+            opened_at = clock()
+            held = False
+            try:
+                async with self.http.stream("GET", f"/v1/workers/{self.worker_id}/lifeline",
+                                            timeout=httpx.Timeout(10.0, read=LIFELINE_READ_S)) as resp:  # fmt: skip
+                    held = resp.status_code == 200  # 404 until registered again; 5xx while it starts
+                    if held:
+                        async for _ in resp.aiter_raw():
+                            pass
+            except httpx.HTTPError as exc:
+                log.debug("lifeline to the controller broke: %s", exc)
+            except Exception:  # this loop must outlive anything: without it, a death here goes unseen
+                log.exception("lifeline to the controller failed")
+            # one that was up a while is reopened at once (within the controller's reconnect grace); one that
+            # cannot be opened, or drops straight away, is retried with backoff
+            delay_s = 0.0 if held and clock() - opened_at > 1.0 else min(max(delay_s * 2, 0.1), 2.0)
+            await asyncio.sleep(delay_s)

@@ -3,11 +3,17 @@
 Each heartbeat samples the provider once; this module turns the sample into two decisions: which devices
 are out of service (sent to the controller, which then places nothing new on them), and which running
 tasks use more GPU memory than their share (stopped with `gpu_memory_exceeded`).
+
+Canaries (the check that re-admits a quarantined device, up to a minute of work) run on a thread of their
+own, never inside `sample()`: the heartbeat that samples must not wait for one, or a healthy worker with a
+slow canary would look dead to the controller.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -64,28 +70,55 @@ class GpuWatch:
         self.tracker = HealthTracker(list(uuids), canary_backoff_s=canary_backoff_s)
         self.canary_command = canary_command
         self.last: list[GpuMetrics] = []
+        self._lock = threading.Lock()  # the tracker is shared by the sampler and the canary thread
+        self._canaries: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._canary_thread: threading.Thread | None = None
 
     def sample(self) -> list[GpuMetrics]:
-        """Read the provider once and update health; a provider that fails counts as a missed sample."""
+        """Read the provider once and update health; a provider that fails counts as a missed sample.
+
+        Canaries that fall due are handed to the canary thread; their verdicts show in a later `quarantined()`.
+        """
         now = time.monotonic()
         try:
             self.last = self.provider.metrics()
         except Exception as exc:
             log.warning("GPU metrics failed: %s", exc)
             self.last = []
-        for change in self.tracker.update(self.last, now):
+        with self._lock:
+            changes = self.tracker.update(self.last, now)
+            due = self.tracker.canary_due(now)  # claimed: not due again while it runs (canary_timeout_s)
+        for change in changes:
             log.warning(
                 "GPU %s %s: %s",
                 change.uuid,
                 "back in service" if change.healthy else "quarantined",
                 change.reason,
             )
-        for uuid in self.tracker.canary_due(now):
-            ok = run_canary(uuid, self.canary_command, provider=self.provider)
-            for change in self.tracker.record_canary(uuid, ok, time.monotonic()):
-                log.warning("GPU %s %s after canary: %s", change.uuid,
-                            "re-admitted" if change.healthy else "still quarantined", change.reason)  # fmt: skip
+        for uuid in due:
+            self._canaries.put(uuid)
+        if due and self._canary_thread is None:
+            # a daemon: a canary stuck in a driver call must not keep a stopping worker alive
+            self._canary_thread = threading.Thread(
+                target=self._run_canaries, name="turnout-canary", daemon=True
+            )
+            self._canary_thread.start()
         return self.last
 
     def quarantined(self) -> dict[str, str]:
-        return self.tracker.quarantined()
+        with self._lock:
+            return self.tracker.quarantined()
+
+    def _run_canaries(self) -> None:
+        while True:
+            uuid = self._canaries.get()
+            try:
+                ok = run_canary(uuid, self.canary_command, provider=self.provider)
+            except Exception:  # a canary that cannot even run has not passed
+                log.exception("GPU %s: canary could not run", uuid)
+                ok = False
+            with self._lock:
+                changes = self.tracker.record_canary(uuid, ok, time.monotonic())
+            for change in changes:
+                log.warning("GPU %s %s after canary: %s", change.uuid,
+                            "re-admitted" if change.healthy else "still quarantined", change.reason)  # fmt: skip

@@ -187,6 +187,8 @@ def preset_runnables(
     root = Path(models_dir or DEFAULT_MODELS_DIR).expanduser()
     presets = load_presets(path)
     docker_ok = any(p.docker_image for p in presets) and engine_answers()  # asked once, before serving
+    if docker_ok:
+        docker.remove_stale_containers()  # what this host's dead workers left running
     return [_runnable(p, base_env, root, docker_ok) for p in presets]
 
 

@@ -4,9 +4,12 @@ One implementation serves warm Python handlers (`runner.py`) and command workers
 as one JSON line on stdin and writes JSON events on stdout, `finish` last; stderr lines become `log`
 events; a line that is not a JSON object becomes a `log` event, never a crash. Each child leads its own
 process group, so a timeout or cancel kills everything it started, and holds a lifeline pipe whose other
-end only the worker holds, so it dies with the worker. When the group's leader exits, the rest of its group
-is killed at once: a forked child that outlives its parent would otherwise hold the pipes open and hide
-the exit (asyncio's `wait()` resolves only once every pipe has closed, so exits are watched by polling).
+end only the worker holds, so it dies with the worker. Where the host allows (`containment.py`), the
+kernel backs this up without the child's cooperation: parent-death SIGKILL set before exec, a cgroup per
+process killed as a whole (which holds children that called `setsid`), or a PID namespace; `isolation`
+on each outcome says which were applied. When the group's leader exits, the rest of its group is killed
+at once: a forked child that outlives its parent would otherwise hold the pipes open and hide the exit
+(asyncio's `wait()` resolves only once every pipe has closed, so exits are watched by a pidfd).
 """
 
 from __future__ import annotations
@@ -22,7 +25,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from turnout.worker import containment
+from turnout.worker.containment import Containment, Isolation
 
 log = logging.getLogger("turnout.worker")
 EventSink = Callable[[dict[str, Any]], None]
@@ -37,6 +44,7 @@ class Outcome:
     error: dict[str, Any] | None = None
     run_s: float = 0.0
     started_at: float = field(default_factory=time.time)
+    isolation: Isolation | None = None  # what held the process that ran it (containment.py)
 
 
 class ProtocolProcess:
@@ -44,7 +52,7 @@ class ProtocolProcess:
 
     def __init__(self, argv: Sequence[str], env: dict[str, str], *, cwd: str | None = None, lifeline_arg: bool = False,
                  default_timeout_s: float | None = None, one_task: bool = False,
-                 cleanup_argv: Sequence[str] | None = None) -> None:  # fmt: skip
+                 cleanup_argv: Sequence[str] | None = None, contain: Containment | None = None) -> None:  # fmt: skip
         self.argv = list(argv)
         self.env = env
         self.cwd = cwd
@@ -56,6 +64,9 @@ class ProtocolProcess:
         self.cleanup_argv = list(
             cleanup_argv or []
         )  # run when killed alive, for what outlives the group (a container)
+        self.contain = contain  # default: the worker's (`containment.current()`), resolved at start
+        self.isolation: Isolation | None = None
+        self._cgroup: Path | None = None
         self.proc: asyncio.subprocess.Process | None = None
         self._lifeline_w: int | None = None
         self._group_gone = False  # its group was killed after the leader exited; the pgid may be reused now
@@ -75,15 +86,28 @@ class ProtocolProcess:
         return self.proc is not None and self.proc.returncode is None
 
     async def start(self) -> None:
+        launch = (self.contain or containment.current()).launch()
         read_end, self._lifeline_w = os.pipe()
-        argv = self.argv + ([str(os.getpid()), str(read_end)] if self.lifeline_arg else [])
+        # PID 1 of a new namespace sees its parent (unshare, outside it) as pid 0
+        parent = 0 if launch.pid_namespace else os.getpid()
+        argv = launch.prefix + self.argv + ([str(parent), str(read_end)] if self.lifeline_arg else [])
         try:
+            # Forked from the event loop's thread, which lives as long as the worker: the parent-death
+            # signal fires when the forking thread ends, not only the process.
             self.proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                 env=self.env, cwd=self.cwd, start_new_session=True, pass_fds=(read_end,), limit=STREAM_LIMIT,
+                preexec_fn=launch.preexec,
             )  # fmt: skip
+        except BaseException:
+            launch.abandon()
+            os.close(self._lifeline_w)
+            self._lifeline_w = None
+            raise
         finally:
             os.close(read_end)
+        self.isolation = launch.confirm(self.proc.pid)
+        self._cgroup = launch.cgroup
         self._stderr_task = asyncio.create_task(self._read_stderr())
         self._exit_task = asyncio.create_task(self._kill_group_on_exit())
 
@@ -119,6 +143,18 @@ class ProtocolProcess:
         await self._wait_exit()
         self.kill()
         self._group_gone = True
+        await self._remove_cgroup()
+
+    async def _remove_cgroup(self) -> None:
+        """Remove the process's cgroup once the kill has emptied it (what stays is the warden's to remove)."""
+        path = self._cgroup
+        if path is None:
+            return
+        deadline = time.monotonic() + containment.EMPTY_WAIT_S
+        while containment.populated(path) and time.monotonic() < deadline:
+            await asyncio.sleep(EXIT_POLL_S)
+        if containment.remove_cgroup(path):
+            self._cgroup = None
 
     async def _read_stderr(self) -> None:
         assert self.proc and self.proc.stderr
@@ -159,6 +195,7 @@ class ProtocolProcess:
         finally:
             self._sink = None
         outcome.run_s = time.time() - started
+        outcome.isolation = self.isolation
         self.tasks_served += 1
         self.last_used = time.monotonic()
         return outcome
@@ -225,7 +262,10 @@ class ProtocolProcess:
         )
 
     def kill(self) -> None:
-        """SIGKILL the whole process group (the child and anything it forked)."""
+        """SIGKILL the whole process group (the child and anything it forked) and its cgroup (what left the
+        group with `setsid` too)."""
+        if self._cgroup is not None:
+            containment.kill_cgroup(self._cgroup)
         if self.proc is not None and not self._group_gone:
             alive = self.proc.returncode is None
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -243,6 +283,7 @@ class ProtocolProcess:
         self.kill()
         if self.proc is not None:
             await self._wait_exit()
+        await self._remove_cgroup()
         for task in (self._stderr_task, self._exit_task):
             if task:
                 task.cancel()

@@ -5,6 +5,10 @@ JSON events on its protocol stream, `finish` last. So the worker runs Python han
 workers with the same process code. Anything the handler prints goes to stderr and becomes `log`
 events; the protocol stream is a private duplicate of the original stdout.
 
+The protocol stream is strict JSON: a result JSON cannot carry (NaN, Infinity, a lone surrogate, a set,
+bytes, an object of some class) is never stringified or written as `NaN`; its task fails `invalid_output`
+naming the path (`output.scores.2`), and the process serves the next task.
+
     python -m turnout.worker.runner MODULE:APP CAPABILITY DEVICE PARENT_PID LIFELINE_FD
 """
 
@@ -18,19 +22,49 @@ import time
 import traceback
 from typing import Any
 
+from turnout.jsonsafe import problem
 from turnout.worker import lifeline
+from turnout.worker.reports import invalid_output, readable
 
 
 def _error(exc: BaseException) -> dict[str, Any]:
-    text = f"{type(exc).__name__}: {exc}"
+    """The task's error for a handler's exception: text only, made printable, so it always reaches the user."""
+    try:
+        text = f"{type(exc).__name__}: {exc}"
+    except Exception:  # an exception whose __str__ raises still fails its task, not the process
+        text = f"{type(exc).__name__}: (its message could not be read)"
+    try:
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-4000:]
+    except Exception:
+        tb = ""
     oom = "out of memory" in text.lower() and (
         "cuda" in text.lower() or type(exc).__name__ == "OutOfMemoryError"
     )
     return {
         "type": "gpu_oom" if oom else "handler_error",
-        "message": text,
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-4000:],
+        "message": readable(text, 100_000),
+        "traceback": readable(tb, 8000),
     }
+
+
+def encode(event: dict[str, Any]) -> str:
+    """One strict JSON line; raises ValueError (NaN, a lone surrogate, a huge int) or TypeError (no JSON form)."""
+    return json.dumps(event, allow_nan=False)
+
+
+def result_lines(result: Any, run_s: float) -> list[str]:
+    """The `result` and `finish` lines of a handler's return value, or a failed `finish` saying what JSON
+    cannot carry and where. Checked before anything is written, so the stream never holds half a report."""
+    where = problem(result, "output")
+    if where is not None:
+        error = invalid_output(*where)
+    else:
+        try:
+            return [encode({"event": "result", "data": result}),
+                    encode({"event": "finish", "status": "completed", "run_s": run_s})]  # fmt: skip
+        except (ValueError, TypeError, RecursionError) as exc:  # e.g. an int longer than Python will print
+            error = invalid_output("output", f"cannot be written as JSON: {type(exc).__name__}: {exc}")
+    return [encode({"event": "finish", "status": "failed", "error": error, "run_s": run_s})]
 
 
 def _limit_torch_memory() -> None:
@@ -55,11 +89,14 @@ def main(argv: list[str]) -> int:
     sys.stdout = sys.stderr
     lock = threading.Lock()
 
-    def send(obj: dict[str, Any]) -> None:
-        line = json.dumps(obj, default=str)
+    def write(*lines: str) -> None:
         with lock:
-            proto.write(line + "\n")
+            for line in lines:
+                proto.write(line + "\n")
             proto.flush()
+
+    def send(obj: dict[str, Any]) -> None:
+        write(encode(obj))
 
     from turnout.worker.app import Context, load_app
 
@@ -85,8 +122,7 @@ def main(argv: list[str]) -> int:
         started = time.time()
         try:
             result = hv.handler(ctx, task.get("input"))
-            send({"event": "result", "data": result})
-            send({"event": "finish", "status": "completed", "run_s": time.time() - started})
+            write(*result_lines(result, time.time() - started))
         except BaseException as exc:  # a handler's failure is its task's failure, never the process's
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 send({"event": "finish", "status": "failed", "error": _error(exc)})

@@ -1,0 +1,1 @@
+"""The dashboard: server-rendered pages (templates/), plain JavaScript and CSS (static/), and the view they show."""

@@ -1,0 +1,136 @@
+"""A full disk under the controller's SQLite database: 503 `storage_unavailable`, nothing half-accepted,
+and service again on its own once there is room.
+
+The database lives on a small tmpfs mounted for the test (the host must allow `mount`; where it does not,
+the tests are skipped with the reason). The disk is filled with a file; deleting the file gives room back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Cluster, Processes
+
+DISK = "32m"
+
+
+def fill(disk: Path) -> Path:
+    """Write a file until the disk has no room left; returns it (delete it to free the room)."""
+    filler = disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        block = b"\0" * 65536
+        while True:
+            try:
+                os.write(fd, block)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                if len(block) == 512:
+                    return filler
+                block = block[: len(block) // 2]  # the last scraps too
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def cluster_on_small_disk(tmp_path: Path) -> Iterator[tuple[Cluster, Path]]:
+    """A controller whose home (and SQLite database) is a freshly mounted tmpfs of DISK bytes."""
+    home = tmp_path / "home"
+    home.mkdir()
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK},mode=0700", "tmpfs", str(home)],
+                                 capture_output=True, text=True)  # fmt: skip
+        problem = (
+            (mounted.stderr.strip() or f"mount exited {mounted.returncode}") if mounted.returncode else ""
+        )
+    except FileNotFoundError:
+        problem = "no mount command"
+    if problem:  # only where the host does not permit it: where it does, the test runs (CI included)
+        pytest.skip(f"cannot mount a tmpfs for the database here: {problem}")
+    procs = Processes()
+    try:
+        cluster = Cluster(tmp_path, procs, f"sqlite:///{home / 'turnout.db'}")
+        cluster.start_controller()
+        yield cluster, home
+    finally:
+        procs.stop_all()  # the controller holds the database open: stop it before unmounting
+        with contextlib.suppress(OSError):
+            (home / "filler").unlink()
+        if subprocess.run(["umount", str(home)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(home)], capture_output=True)
+
+
+def ids_listed(cluster: Cluster) -> set[str]:
+    return {t["id"] for t in cluster.api("GET", "/v1/tasks", params={"limit": 1000}).json()["tasks"]}
+
+
+def test_a_full_disk_refuses_submissions_with_503_and_service_resumes_when_room_returns(
+    cluster_on_small_disk: tuple[Cluster, Path],
+) -> None:
+    cluster, disk = cluster_on_small_disk
+    cluster.start_worker("tests.apps.testapp:app", name="w", extra=["--cpus", "0.05"])  # too small to run any
+    accepted = {cluster.submit("count", {"n": i}, placement_timeout_s=600)["id"] for i in range(20)}
+
+    filler = fill(disk)
+    refused = []
+    for body, path in [
+        ({"capability": "count", "input": {"n": "one"}, "placement_timeout_s": 600}, "/v1/tasks"),
+        ({"tasks": [{"capability": "count", "input": {"n": i, "pad": "x" * 2000}, "placement_timeout_s": 600}
+                    for i in range(50)]}, "/v1/tasks/batch"),
+    ]:  # fmt: skip
+        resp = cluster.api("POST", path, json=body)
+        refused.append(resp)
+        assert resp.status_code == 503, resp.text
+        error = resp.json()["error"]
+        assert error["type"] == "storage_unavailable"
+        assert int(resp.headers["Retry-After"]) >= 1
+        assert "INSERT" not in error["message"] and "sqlite" not in error["message"].lower()
+    assert ids_listed(cluster) == accepted  # nothing of the refused submissions, all of the earlier ones
+    assert cluster.api("GET", "/healthz").status_code == 200
+
+    filler.unlink()
+    deadline = time.monotonic() + 20
+    while True:  # the controller recovers on its own: no restart
+        resp = cluster.api("POST", "/v1/tasks", json={"capability": "count", "input": {"n": "after"},
+                                                       "placement_timeout_s": 600})  # fmt: skip
+        if resp.status_code == 201 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert resp.status_code == 201, resp.text
+    assert ids_listed(cluster) == accepted | {resp.json()["id"]}
+    assert next(w for w in cluster.api("GET", "/v1/workers").json()["workers"])["state"] == "healthy"
+
+
+def test_a_worker_heartbeating_through_a_full_disk_keeps_its_task_which_completes_once(
+    cluster_on_small_disk: tuple[Cluster, Path], tmp_path: Path
+) -> None:
+    cluster, disk = cluster_on_small_disk
+    runs = tmp_path / "runs.log"  # off the small disk
+    cluster.start_worker("tests.apps.testapp:app", name="w")
+    task = cluster.submit("count", {"log": str(runs), "sleep": 6}, timeout_s=120)
+    deadline = time.monotonic() + 30
+    while not runs.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert runs.exists(), "the task did not start"
+
+    filler = fill(disk)  # the heartbeats' own writes fail now, for longer than three heartbeats
+    full_until = time.monotonic() + 4 * cluster.heartbeat_s
+    while time.monotonic() < full_until:
+        workers = cluster.api("GET", "/v1/workers").json()["workers"]
+        assert [w["state"] for w in workers] == ["healthy"]
+        time.sleep(0.2)
+    filler.unlink()
+
+    done = cluster.result(task["id"], wait=60)
+    assert done["state"] == "succeeded" and done["attempts"] == 1, done
+    assert len(runs.read_text().splitlines()) == 1
+    assert [w["state"] for w in cluster.api("GET", "/v1/workers").json()["workers"]] == ["healthy"]

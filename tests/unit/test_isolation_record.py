@@ -1,0 +1,73 @@
+"""A task's `isolation` (what held its processes on the worker) is stored with it and survives an upgrade.
+
+A real SQLite file each time; the end-to-end path (a worker reporting it) is in
+tests/faults/test_containment.py.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import sqlalchemy as sa
+
+from turnout.api.schemas import ResultIn, task_out
+from turnout.models import Task, TaskSpec, TaskState
+from turnout.store import open_store
+
+ISOLATION = {"process_group": True, "pdeathsig": True, "pid_namespace": False, "cgroup": "/cg/turnout/w/p1"}
+
+
+def a_task() -> Task:
+    now = time.time()
+    return Task(
+        id="t_1",
+        tenant="default",
+        spec=TaskSpec("cap", {}),
+        state=TaskState.QUEUED,
+        created_at=now,
+        queued_at=now,
+    )
+
+
+def test_a_tasks_isolation_reads_back_as_written_and_is_null_until_reported(tmp_path: Path) -> None:
+    store = open_store(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    try:
+        store.insert_tasks([a_task()])
+        assert store.get_task("t_1").isolation is None  # type: ignore[union-attr]
+        store.update_tasks([("t_1", [TaskState.QUEUED], None, {"isolation": ISOLATION})])
+        task = store.get_task("t_1")
+        assert task is not None and task.isolation == ISOLATION
+        assert task_out(task)["isolation"] == ISOLATION
+    finally:
+        store.close()
+
+
+def test_a_database_from_before_the_column_gains_it_and_keeps_its_tasks(tmp_path: Path) -> None:
+    path = tmp_path / "old.sqlite"
+    store = open_store(f"sqlite:///{path}")
+    store.insert_tasks([a_task()])
+    store.close()
+    engine = sa.create_engine(f"sqlite:///{path}")
+    with engine.begin() as conn:  # as a release before migration 3 left it
+        conn.execute(sa.text("ALTER TABLE tasks DROP COLUMN isolation"))
+        conn.execute(sa.text("DELETE FROM schema_migrations WHERE version = 3"))
+    engine.dispose()
+
+    store = open_store(f"sqlite:///{path}")
+    try:
+        task = store.get_task("t_1")
+        assert task is not None and task.isolation is None
+        store.update_tasks([("t_1", [TaskState.QUEUED], None, {"isolation": ISOLATION})])
+        assert replace(task, isolation=ISOLATION) == store.get_task("t_1")
+    finally:
+        store.close()
+
+
+def test_a_completion_may_carry_isolation_and_need_not() -> None:
+    with_it = ResultIn.model_validate(
+        {"task_id": "t", "attempt": 1, "status": "succeeded", "isolation": ISOLATION}
+    )
+    assert with_it.isolation == ISOLATION
+    assert ResultIn.model_validate({"task_id": "t", "attempt": 1, "status": "failed"}).isolation is None

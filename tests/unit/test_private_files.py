@@ -1,0 +1,64 @@
+"""The SQLite database (tasks' inputs and outputs, token hashes, the audit log) is readable by its owner only."""
+
+from __future__ import annotations
+
+import sqlite3
+import stat
+from pathlib import Path
+
+from turnout.runtime import private_dir
+from turnout.store import open_store
+
+
+def mode_of(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_a_new_database_with_its_wal_and_shm_is_private_and_so_is_the_directory_made_for_it(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "state" / "turnout.db"
+    store = open_store(f"sqlite:///{path}")
+    try:
+        store.append_audit([(0.0, "test", None, {"written": True})])  # a write: the -wal and -shm exist
+        modes = {p.name: mode_of(p) for p in path.parent.iterdir()}
+    finally:
+        store.close()
+    assert modes == {"turnout.db": 0o600, "turnout.db-wal": 0o600, "turnout.db-shm": 0o600}
+    assert mode_of(path.parent) == 0o700
+
+
+def test_a_world_readable_database_left_by_an_older_version_is_made_private_when_opened(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "turnout.db"
+    old = sqlite3.connect(path)
+    old.execute("PRAGMA journal_mode=WAL")
+    old.execute("CREATE TABLE t (x)")
+    old.execute("INSERT INTO t VALUES (1)")
+    old.commit()
+    files = [path, Path(f"{path}-wal"), Path(f"{path}-shm")]
+    for f in files:
+        f.chmod(0o644)
+    store = open_store(f"sqlite:///{path}")
+    try:
+        assert [mode_of(f) for f in files] == [0o600, 0o600, 0o600]
+    finally:
+        store.close()
+        old.close()
+
+
+def test_a_new_turnout_home_is_private_and_an_unrelated_existing_directory_is_left_alone(
+    tmp_path: Path,
+) -> None:
+    home = tmp_path / "new" / "home"
+    private_dir(home)
+    assert mode_of(home) == 0o700
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    private_dir(shared)
+    assert mode_of(shared) == 0o755
+    (shared / "admin.token").write_text("x")  # a Turnout home made world-readable by an older version
+    private_dir(shared)
+    assert mode_of(shared) == 0o700
