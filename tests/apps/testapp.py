@@ -123,7 +123,7 @@ def bad_output(ctx: Context, data: dict[str, Any]) -> Any:
 
 @app.capability("bad_event", cpu=0.1)
 def bad_event(ctx: Context, data: dict[str, Any]) -> dict[str, Any]:
-    """Emits a good event, one with NaN in it, and another good one, then returns a good result."""
+    """Emits a good event, then one with NaN in it (refused at the emit), then would emit another."""
     ctx.emit("text_delta", delta="before ")
     ctx.emit("progress", done=float("nan"), total=1)
     ctx.emit("text_delta", delta="after")

@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from turnout.errors import InvalidInput
+from turnout.jsonsafe import problem
 from turnout.models import Device, Variant, check_capability_name
 from turnout.resources import Resources, parse_resources
+from turnout.worker.reports import InvalidOutput
 
 Handler = Callable[["Context", Any], Any]
 
@@ -110,9 +112,16 @@ class Context:
         self._lock = lock or threading.Lock()
 
     def emit(self, event: str, **fields: Any) -> None:
+        """Stream one event. A value strict JSON cannot carry (NaN, a set, a lone surrogate) raises
+        `InvalidOutput` here, in the handler that made it, naming the field (`events.progress.done`): the
+        task fails `invalid_output` unless the handler catches it; nothing is silently turned into a string."""
+        body = {"event": event, **fields}
+        found = problem(fields, f"events.{event}")
+        if found:
+            raise InvalidOutput(*found)
         if self._sink is None:
             return
-        line = json.dumps({"event": event, **fields}, default=str)
+        line = json.dumps(body, allow_nan=False)
         with self._lock:
             self._sink.write(line + "\n")
             self._sink.flush()

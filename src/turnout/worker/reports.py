@@ -21,6 +21,15 @@ MAX_PATH_CHARS = 300
 MAX_MESSAGE_CHARS = 2000
 
 
+class InvalidOutput(ValueError):
+    """Raised in a handler by `ctx.emit` for an event JSON cannot carry; its task fails `invalid_output`."""
+
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(f"{path}: {why}")
+        self.path = path
+        self.why = why
+
+
 def invalid_output(path: str, why: str, note: str = "") -> dict[str, Any]:
     """The error of a task whose report JSON cannot carry, naming where: `output.x: nan is not ...`.
 

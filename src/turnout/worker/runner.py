@@ -24,7 +24,7 @@ from typing import Any
 
 from turnout.jsonsafe import problem
 from turnout.worker import lifeline
-from turnout.worker.reports import invalid_output, readable
+from turnout.worker.reports import InvalidOutput, invalid_output, readable
 
 
 def _error(exc: BaseException) -> dict[str, Any]:
@@ -123,6 +123,11 @@ def main(argv: list[str]) -> int:
         try:
             result = hv.handler(ctx, task.get("input"))
             write(*result_lines(result, time.time() - started))
+        except (
+            InvalidOutput
+        ) as exc:  # an event JSON cannot carry: refused at ctx.emit, before any was written
+            error = invalid_output(exc.path, exc.why)
+            send({"event": "finish", "status": "failed", "error": error, "run_s": time.time() - started})
         except BaseException as exc:  # a handler's failure is its task's failure, never the process's
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 send({"event": "finish", "status": "failed", "error": _error(exc)})
