@@ -128,3 +128,19 @@ def bad_event(ctx: Context, data: dict[str, Any]) -> dict[str, Any]:
     ctx.emit("progress", done=float("nan"), total=1)
     ctx.emit("text_delta", delta="after")
     return {"ok": True}
+
+
+@app.capability("logged_sleep", cpu=0.1)
+def logged_sleep(ctx: Context, data: dict[str, Any]) -> dict[str, Any]:
+    """Logs a `start` and an `end` line per run in `bench.fault_app`'s format (read by tests/faults'
+    `read_runs`), so a run that was killed shows a start without an end; sleeps `seconds` in between, and
+    `first_attempt_s` more on the first attempt (a run to kill, then a quick one to count)."""
+    from bench.common import log_run
+
+    seconds = float(data.get("seconds", 0))
+    if ctx.attempt == 1:
+        seconds += float(data.get("first_attempt_s", 0))
+    log_run(data["log"], "start", ctx.task_id)
+    time.sleep(seconds)
+    log_run(data["log"], "end", ctx.task_id)
+    return {"n": data.get("n")}

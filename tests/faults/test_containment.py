@@ -3,7 +3,8 @@
 Real workers, real escapees: a Python handler blocked in C while holding the GIL (so no Python-level guard
 of its process can run), children that call `setsid` (so no process-group kill reaches them), and a
 daemon that also left the handler's process tree. Each is found from outside by a marker in its argv; the
-`marked` fixture kills whatever a failing test left behind.
+`marked` fixture kills whatever a failing test left behind. The worker-SIGKILL and cancel tests report the
+fault: processes still alive, and seconds from the kill until none is.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import psutil
 import pytest
 
 from tests.conftest import Cluster
+from tests.faults.conftest import FaultReport, gpus_left_allocated
 from turnout.worker import containment
 
 APP = "tests.apps.containment_app:app"
@@ -111,6 +113,31 @@ def wait_gone(pids: list[int], timeout_s: float = 10.0) -> list[int]:
     return alive(pids)
 
 
+def report_processes(
+    fault_report: FaultReport,
+    cluster: Cluster,
+    task_id: str,
+    pids: list[int],
+    killed_at: float,
+    timeout_s: float = 10.0,
+) -> None:
+    """Fill in and check `fault_report`: which of `pids` outlived the kill (seconds from `killed_at` until
+    none did), and whether the task still reached an end (a clear failure is not a loss; a task left
+    `running` for a dead handler is). The handlers here never return, so none can complete twice."""
+    left = wait_gone(pids, timeout_s)
+    fault_report.recover_s = None if left else time.monotonic() - killed_at
+    done = cluster.result(task_id, wait=30)
+    fault_report.accepted_lost = int(done["state"] not in ("succeeded", "failed", "cancelled"))
+    fault_report.processes_left = len(left)
+    fault_report.gpus_left_allocated = gpus_left_allocated(cluster)
+    error = (done.get("error") or {}).get("type")
+    ending = f"{done['state']} {error}" if error and error != done["state"] else done["state"]
+    fault_report.notes.append(f"{len(pids)} processes watched; task {ending}")
+    if left:
+        fault_report.notes.append(f"alive: {left}")
+    fault_report.check()
+
+
 def descendants(pid: int, reaper: list[psutil.Process]) -> tuple[list[int], list[int]]:
     """The task processes under a worker (its children's trees) and its wardens, which must exit by
     themselves; all are handed to `reaper` for teardown."""
@@ -175,18 +202,25 @@ def submit_and_wait_ready(cluster: Cluster, marker: str, **options: Any) -> dict
 
 @pytest.mark.parametrize("setting", KERNEL_SETTINGS)
 def test_a_handler_holding_the_gil_and_its_setsid_children_die_with_a_sigkilled_worker(
-    cluster: Cluster, tmp_path: Path, marker: str, reaper: list[psutil.Process], setting: str
+    cluster: Cluster,
+    tmp_path: Path,
+    marker: str,
+    reaper: list[psutil.Process],
+    setting: str,
+    fault_report: FaultReport,
 ) -> None:
     worker = cluster.start_worker(APP, name="victim", extra=["--containment", setting])
     ready = tmp_path / "ready"
-    cluster.submit("hold_gil", {"marker": marker, "ready": str(ready)}, max_retries=0)
+    task = cluster.submit("hold_gil", {"marker": marker, "ready": str(ready)}, max_retries=0)
     wait_for("the handler to block holding the GIL", ready.exists)
     escapees = wait_for("three escapees", lambda: (p := marked_pids(marker)) and len(p) == 3 and p)
     tree, wardens = descendants(worker.pid, reaper)  # runner (and unshare), sentinel, children under it
 
     os.kill(worker.pid, signal.SIGKILL)  # the worker alone: nothing else is signalled by the test
+    killed_at = time.monotonic()
     worker.wait(timeout=10)
 
+    report_processes(fault_report, cluster, task["id"], sorted({*escapees, *tree, *wardens}), killed_at)
     assert wait_gone(escapees) == [], f"escaped the worker's death ({setting})"
     assert wait_gone(tree) == [], "a process of the handler's tree outlived the worker"
     assert wait_gone(wardens) == [], "the warden stays only as long as its cleanup takes"
@@ -208,12 +242,16 @@ def test_setsid_children_of_a_command_die_with_a_sigkilled_worker(
 
 
 @pytest.mark.parametrize("setting", KERNEL_SETTINGS)
-def test_cancelling_a_command_kills_its_setsid_children(cluster: Cluster, marker: str, setting: str) -> None:
+def test_cancelling_a_command_kills_its_setsid_children(
+    cluster: Cluster, marker: str, setting: str, fault_report: FaultReport
+) -> None:
     start_command_worker(cluster, "w", setting)
     task = submit_and_wait_ready(cluster, marker)
     escapees = marked_pids(marker)
     resp = cluster.api("POST", f"/v1/tasks/{task['id']}/cancel")
+    cancelled_at = time.monotonic()
     assert resp.status_code == 200, resp.text
+    report_processes(fault_report, cluster, task["id"], escapees, cancelled_at, timeout_s=15)
     assert wait_gone(escapees, timeout_s=15) == []
 
 

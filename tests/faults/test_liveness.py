@@ -4,6 +4,9 @@ A worker process that dies closes its connection to the controller, which re-que
 second or two; a worker that merely goes silent (its host gone, its socket left open) is judged by its
 heartbeats; a controller that restarts after a long outage re-runs nothing the workers kept running; a
 lease whose answer never reached its worker goes back to the queue.
+
+The task logs a `start` and an `end` line per run (`logged_sleep`), so "ran once" and "completed twice"
+are read from the handler's own log, not from the controller's record.
 """
 
 from __future__ import annotations
@@ -16,15 +19,32 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from tests.conftest import Cluster
+from tests.faults.conftest import (
+    FaultReport,
+    completed_runs,
+    gpus_left_allocated,
+    read_runs,
+    wait_until_gone,
+)
 
 APP = "tests.apps.testapp:app"
 
 
-def runs_of(log: Path) -> list[str]:
-    """Task ids in the order their handler started (the test app logs one line per run)."""
-    return [line.split()[0] for line in log.read_text().splitlines()] if log.exists() else []
+def starts(log: Path) -> list[str]:
+    """Task ids in the order their handler started."""
+    return [task_id for what, task_id, _ in read_runs(log) if what == "start"]
+
+
+def committed_twice(log: Path) -> int:
+    return sum(1 for n in completed_runs(log).values() if n > 1)
+
+
+def tree_of(pid: int) -> list[psutil.Process]:
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
 
 
 def poll(check: Callable[[], Any], timeout_s: float, what: str, every_s: float = 0.05) -> Any:
@@ -47,28 +67,34 @@ def worker_named(cluster: Cluster, name: str) -> dict[str, Any]:
 
 
 def test_tasks_of_a_sigkilled_worker_run_again_on_another_within_seconds_not_heartbeats(
-    cluster: Cluster, tmp_path: Path
+    cluster: Cluster, tmp_path: Path, fault_report: FaultReport
 ) -> None:
     log = tmp_path / "runs.log"
     beat_s = 5.0  # three heartbeats would be 15 s: what is measured here cannot come from them
     victim = cluster.start_worker(APP, name="victim", heartbeat_s=beat_s, extra=["--cpus", "1"])
-    task = cluster.submit("count", {"log": str(log), "sleep_first_attempt": 120}, timeout_s=300)
-    poll(lambda: runs_of(log) == [task["id"]], 30, "the task started on the victim")
+    task = cluster.submit("logged_sleep", {"log": str(log), "first_attempt_s": 120}, timeout_s=300)
+    poll(lambda: starts(log) == [task["id"]], 30, "the task started on the victim")
     cluster.start_worker(APP, name="rescuer", heartbeat_s=beat_s)
+    tree = tree_of(victim.pid)  # its agent, the warm handler process running the task, their helpers
 
-    os.kill(victim.pid, signal.SIGKILL)
+    os.kill(victim.pid, signal.SIGKILL)  # the agent alone: the rest must die with it
     killed_at = time.monotonic()
-    poll(lambda: len(runs_of(log)) == 2, 3 * beat_s, "the task started again on the rescuer", every_s=0.01)
+    poll(lambda: len(starts(log)) == 2, 3 * beat_s, "the task started again on the rescuer", every_s=0.01)
     elapsed_s = time.monotonic() - killed_at
-    print(
-        f"\nSIGKILLed worker's task running again elsewhere after {elapsed_s:.2f} s (heartbeat {beat_s:g} s)"
-    )
 
-    assert elapsed_s < beat_s  # well inside the three heartbeats (15 s) a silent worker gets
     done = cluster.result(task["id"], wait=30)
+    fault_report.recover_s = elapsed_s  # from the SIGKILL to the handler's start on the rescuer
+    fault_report.accepted_lost = int(done["state"] != "succeeded")
+    fault_report.committed_twice = committed_twice(log)
+    fault_report.processes_left = len(wait_until_gone(tree))
+    fault_report.gpus_left_allocated = gpus_left_allocated(cluster)
+    fault_report.notes.append(f"agent of {len(tree)} processes SIGKILLed; heartbeat {beat_s:g} s")
+    fault_report.check()
+    assert elapsed_s < beat_s  # well inside the three heartbeats (15 s) a silent worker gets
     assert done["state"] == "succeeded" and done["attempts"] == 2
     assert worker_named(cluster, "victim")["state"] == "unhealthy"
-    assert runs_of(log) == [task["id"], task["id"]]
+    assert starts(log) == [task["id"], task["id"]]
+    assert completed_runs(log) == {task["id"]: 1}  # the killed run never reached its end
 
 
 def test_a_worker_that_goes_silent_with_its_connection_open_is_judged_by_heartbeats(
@@ -76,8 +102,8 @@ def test_a_worker_that_goes_silent_with_its_connection_open_is_judged_by_heartbe
 ) -> None:
     log = tmp_path / "runs.log"
     worker = cluster.start_worker(APP, name="silent")
-    task = cluster.submit("count", {"log": str(log), "sleep": 120}, timeout_s=300)
-    poll(lambda: runs_of(log) == [task["id"]], 30, "the task started")
+    task = cluster.submit("logged_sleep", {"log": str(log), "seconds": 120}, timeout_s=300)
+    poll(lambda: starts(log) == [task["id"]], 30, "the task started")
     os.kill(worker.pid, signal.SIGSTOP)  # like a host that vanished: no heartbeats, and no close either
     stopped_at = time.monotonic()
     try:
@@ -92,34 +118,53 @@ def test_a_worker_that_goes_silent_with_its_connection_open_is_judged_by_heartbe
 
 
 def test_a_controller_down_longer_than_three_heartbeats_reruns_nothing_the_workers_kept_running(
-    cluster: Cluster, tmp_path: Path
+    cluster: Cluster, tmp_path: Path, fault_report: FaultReport
 ) -> None:
     log = tmp_path / "runs.log"
-    cluster.start_worker(APP, name="steady")
-    task = cluster.submit("count", {"log": str(log), "sleep": 6}, timeout_s=120)
-    poll(lambda: runs_of(log) == [task["id"]], 30, "the task started")
+    cluster.start_worker(APP, name="steady", extra=["--cpus", "1"])  # room for a second task beside it
+    task = cluster.submit("logged_sleep", {"log": str(log), "seconds": 6}, timeout_s=120)
+    poll(lambda: starts(log) == [task["id"]], 30, "the task started")
 
+    assert cluster.controller is not None
+    controller = tree_of(cluster.controller.pid)
     cluster.kill_controller()
+    killed_at = time.monotonic()
     time.sleep(4 * cluster.heartbeat_s)  # the outage itself: longer than three heartbeats
     cluster.start_controller()
+    restarted_at = time.monotonic()
+    # work runs again once the worker is back in touch: a task submitted now starts beside the kept one
+    fresh = cluster.submit("logged_sleep", {"log": str(log)}, timeout_s=120)
+    poll(lambda: fresh["id"] in starts(log), 30, "a task submitted after the restart started", every_s=0.01)
+    recover_s = time.monotonic() - restarted_at
 
     done = cluster.result(task["id"], wait=60)
+    fresh_done = cluster.result(fresh["id"], wait=30)
+    fault_report.recover_s = recover_s
+    fault_report.accepted_lost = sum(1 for d in (done, fresh_done) if d["state"] != "succeeded")
+    fault_report.committed_twice = committed_twice(log)
+    fault_report.processes_left = len(wait_until_gone(controller))
+    fault_report.gpus_left_allocated = gpus_left_allocated(cluster)
+    down_s, beat_s = restarted_at - killed_at, cluster.heartbeat_s
+    fault_report.notes.append(f"down {down_s:.1f} s, heartbeat {beat_s:g} s; timed from the restart")
+    fault_report.check()
     assert done["state"] == "succeeded", done
     assert done["attempts"] == 1
-    assert runs_of(log) == [task["id"]]  # exactly one run
+    assert starts(log).count(task["id"]) == 1  # exactly one run
     assert worker_named(cluster, "steady")["state"] == "healthy"
 
 
 def test_a_lease_whose_answer_never_reached_its_worker_returns_to_the_queue(
-    cluster: Cluster, tmp_path: Path
+    cluster: Cluster, tmp_path: Path, fault_report: FaultReport
 ) -> None:
     log = tmp_path / "runs.log"
     # Given a worker stand-in that asks for a lease and never sees the answer (lost on the way)
+    variant = {"capability": "logged_sleep", "device": "cpu", "resources": {"cpu": 0.1}}
     body = {"name": "lossy", "host": "h", "cpu": 1, "memory": 2**30, "heartbeat_s": cluster.heartbeat_s,
-            "variants": [{"capability": "count", "device": "cpu", "resources": {"cpu": 0.1}}]}  # fmt: skip
+            "variants": [variant]}  # fmt: skip
     lossy = cluster.api("POST", "/v1/workers/register", json=body).json()["id"]
-    task = cluster.submit("count", {"log": str(log)}, max_retries=0)
+    task = cluster.submit("logged_sleep", {"log": str(log)}, max_retries=0)
     lost = cluster.api("POST", f"/v1/workers/{lossy}/lease", json={"max_tasks": 1, "wait_s": 5}).json()
+    lost_at = time.monotonic()
     assert [t["id"] for t in lost["tasks"]] == [task["id"]]  # the answer that is thrown away
     assert task_state(cluster, task["id"])["state"] == "leased"
 
@@ -132,11 +177,17 @@ def test_a_lease_whose_answer_never_reached_its_worker_returns_to_the_queue(
     # Then the task goes back to the queue (the stand-in stays healthy), and a real worker runs it once,
     # though max_retries is 0: an attempt that never reached a worker spends no retry
     poll(stand_in_reports, 15, "the undelivered lease taken back", every_s=0.3)
+    fault_report.recover_s = time.monotonic() - lost_at  # from the lost answer to the task queued again
     assert worker_named(cluster, "lossy")["state"] == "healthy"
     cluster.start_worker(APP, name="real")
     done = cluster.result(task["id"], wait=30)
+    fault_report.accepted_lost = int(done["state"] != "succeeded")
+    fault_report.committed_twice = committed_twice(log)
+    fault_report.gpus_left_allocated = gpus_left_allocated(cluster)
+    fault_report.notes.append("the lease's holder is a stand-in over HTTP: no process to outlive it")
+    fault_report.check()
     assert done["state"] == "succeeded" and done["worker"] != lossy
-    assert runs_of(log) == [task["id"]]
+    assert starts(log) == [task["id"]]
 
 
 def test_a_lifeline_is_held_open_for_a_registered_worker_and_refused_once_it_left(cluster: Cluster) -> None:

@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Cluster, Processes
+from tests.faults.conftest import FaultReport, completed_runs, gpus_left_allocated
 
+APP = "tests.apps.testapp:app"
 DISK = "32m"
 
 
@@ -74,19 +76,23 @@ def ids_listed(cluster: Cluster) -> set[str]:
 
 
 def test_a_full_disk_refuses_submissions_with_503_and_service_resumes_when_room_returns(
-    cluster_on_small_disk: tuple[Cluster, Path],
+    cluster_on_small_disk: tuple[Cluster, Path], tmp_path: Path, fault_report: FaultReport
 ) -> None:
     cluster, disk = cluster_on_small_disk
-    cluster.start_worker("tests.apps.testapp:app", name="w", extra=["--cpus", "0.05"])  # too small to run any
-    accepted = {cluster.submit("count", {"n": i}, placement_timeout_s=600)["id"] for i in range(20)}
+    log = tmp_path / "runs.log"  # off the small disk
+    cluster.start_worker(APP, name="w", extra=["--cpus", "0.05"])  # too small to run any
+    accepted = {
+        cluster.submit("logged_sleep", {"log": str(log), "n": i}, placement_timeout_s=600)["id"]
+        for i in range(20)
+    }
 
     filler = fill(disk)
     refused = []
+    spec = {"capability": "logged_sleep", "placement_timeout_s": 600}
     for body, path in [
-        ({"capability": "count", "input": {"n": "one"}, "placement_timeout_s": 600}, "/v1/tasks"),
-        ({"tasks": [{"capability": "count", "input": {"n": i, "pad": "x" * 2000}, "placement_timeout_s": 600}
-                    for i in range(50)]}, "/v1/tasks/batch"),
-    ]:  # fmt: skip
+        ({**spec, "input": {"n": "one"}}, "/v1/tasks"),
+        ({"tasks": [{**spec, "input": {"n": i, "pad": "x" * 2000}} for i in range(50)]}, "/v1/tasks/batch"),
+    ]:
         resp = cluster.api("POST", path, json=body)
         refused.append(resp)
         assert resp.status_code == 503, resp.text
@@ -98,16 +104,32 @@ def test_a_full_disk_refuses_submissions_with_503_and_service_resumes_when_room_
     assert cluster.api("GET", "/healthz").status_code == 200
 
     filler.unlink()
-    deadline = time.monotonic() + 20
+    freed_at = time.monotonic()
+    deadline = freed_at + 20
     while True:  # the controller recovers on its own: no restart
-        resp = cluster.api("POST", "/v1/tasks", json={"capability": "count", "input": {"n": "after"},
-                                                       "placement_timeout_s": 600})  # fmt: skip
+        resp = cluster.api("POST", "/v1/tasks", json={**spec, "input": {"log": str(log), "n": "after"}})
         if resp.status_code == 201 or time.monotonic() > deadline:
             break
         time.sleep(0.2)
+    recover_s = time.monotonic() - freed_at
     assert resp.status_code == 201, resp.text
     assert ids_listed(cluster) == accepted | {resp.json()["id"]}
     assert next(w for w in cluster.api("GET", "/v1/workers").json()["workers"])["state"] == "healthy"
+
+    # every task answered 201, before the disk filled or after, is there and runs exactly once
+    accepted.add(resp.json()["id"])
+    cluster.start_worker(APP, name="runner", extra=["--cpus", "1"])
+    missing = accepted - ids_listed(cluster)
+    states = [cluster.result(tid, wait=60)["state"] for tid in accepted - missing]
+    fault_report.recover_s = recover_s  # from freeing the disk to the first submission answered 201
+    fault_report.accepted_lost = len(missing) + sum(1 for state in states if state != "succeeded")
+    fault_report.committed_twice = sum(1 for n in completed_runs(log).values() if n > 1)
+    fault_report.gpus_left_allocated = gpus_left_allocated(cluster)
+    fault_report.notes.append(
+        f"{len(accepted)} accepted; a task and a batch of 50 refused 503; no process killed"
+    )
+    fault_report.check()
+    assert set(completed_runs(log)) == accepted
 
 
 def test_a_worker_heartbeating_through_a_full_disk_keeps_its_task_which_completes_once(
@@ -115,7 +137,7 @@ def test_a_worker_heartbeating_through_a_full_disk_keeps_its_task_which_complete
 ) -> None:
     cluster, disk = cluster_on_small_disk
     runs = tmp_path / "runs.log"  # off the small disk
-    cluster.start_worker("tests.apps.testapp:app", name="w")
+    cluster.start_worker(APP, name="w")
     task = cluster.submit("count", {"log": str(runs), "sleep": 6}, timeout_s=120)
     deadline = time.monotonic() + 30
     while not runs.exists() and time.monotonic() < deadline:

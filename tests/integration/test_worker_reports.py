@@ -81,20 +81,10 @@ def assert_invalid_output(task: dict[str, Any], field: str) -> None:
 # ---- Python handlers -----------------------------------------------------------------------------------
 
 
-def test_a_handler_returning_nan_fails_naming_the_path_and_the_same_worker_serves_the_next_task(
-    served: Cluster,
-) -> None:
-    bad = run(served, "bad_output", {"kind": "nan"})
-    assert_invalid_output(bad, "output.x")
-    assert "NaN and Infinity have no JSON form" in bad["error"]["message"]
-    good = run(served, "count", {"n": 7})
-    assert good["state"] == "succeeded", good
-    assert good["output"]["n"] == 7 and good["worker"] == bad["worker"]
-
-
 @pytest.mark.parametrize(
     ("kind", "field", "words"),
     [
+        ("nan", "output.x", "NaN and Infinity have no JSON form"),  # the next task: tests/faults
         ("infinity", "output.scores.1", "inf"),
         ("surrogate", "output.text", "surrogate"),
         ("set", "output.tags", "a set is not a JSON value"),
