@@ -339,7 +339,7 @@ class Controller:
             started = c.started_at or t.started_at or t.leased_at
             run_s = c.run_s if c.run_s is not None else (now - started if started else None)
             values: dict[str, Any] = {"finished_at": now, "run_s": run_s, "started_at": started,
-                                      "cost_usd": self._cost(t, run_s)}  # fmt: skip
+                                      "cost_usd": self._cost(t, run_s), "isolation": c.isolation}  # fmt: skip
             if c.succeeded:
                 values.update(state=TaskState.SUCCEEDED, output=c.output, error=None)
             else:

@@ -147,6 +147,7 @@ class Task:
     unservable_since: float | None = None
     pipeline_run_id: str | None = None
     alloc: dict[str, Any] | None = None  # CPU, memory and GPU share held while leased or running
+    isolation: dict[str, Any] | None = None  # what confined its process (sandbox, limits), as the worker reported
 
 
 @dataclass(frozen=True)
@@ -191,3 +192,4 @@ class Completion:
     error: dict[str, Any] | None = None
     run_s: float | None = None
     started_at: float | None = None
+    isolation: dict[str, Any] | None = None

@@ -272,7 +272,8 @@ def create_app(service: Service) -> FastAPI:
     async def complete(worker_id: str, body: CompleteIn, p: Principal = need("worker")) -> dict[str, Any]:
         completions = [
             Completion(
-                r.task_id, r.attempt, r.status == "succeeded", r.output, r.error, r.run_s, r.started_at
+                r.task_id, r.attempt, r.status == "succeeded", r.output, r.error, r.run_s, r.started_at,
+                r.isolation,
             )
             for r in body.results
         ]

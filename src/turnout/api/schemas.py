@@ -88,6 +88,7 @@ class ResultIn(Strict):
     error: dict[str, Any] | None = None
     run_s: float | None = Field(None, ge=0)
     started_at: float | None = None
+    isolation: dict[str, Any] | None = None  # what confined the process: sandbox, devices, limits
 
 
 class CompleteIn(Strict):
@@ -152,6 +153,7 @@ def task_out(t: Task) -> dict[str, Any]:
         "max_retries": t.spec.max_retries, "idempotency_key": t.spec.idempotency_key,
         "queue_s": round(queue_s, 6) if queue_s is not None else None,
         "run_s": round(t.run_s, 6) if t.run_s is not None else None, "cost_usd": t.cost_usd,
+        "isolation": t.isolation,
         "created_at": iso(t.created_at), "started_at": iso(started), "finished_at": iso(finished),
     }  # fmt: skip
 

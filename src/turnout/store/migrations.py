@@ -29,9 +29,16 @@ def _queue_order_and_nulls(conn: sa.Connection) -> None:
             conn.execute(sa.text(f"UPDATE {table} SET {col} = NULL WHERE CAST({col} AS TEXT) = 'null'"))
 
 
+def _task_isolation(conn: sa.Connection) -> None:
+    # a database made at version 1 from today's schema has the column already
+    if "isolation" not in {c["name"] for c in sa.inspect(conn).get_columns("tasks")}:
+        conn.execute(sa.text("ALTER TABLE tasks ADD COLUMN isolation JSON"))
+
+
 MIGRATIONS: list[Migration] = [
     (1, "initial tables", _initial),
     (2, "lease-order index; JSON null as SQL NULL", _queue_order_and_nulls),
+    (6, "tasks.isolation: what confined a task's process", _task_isolation),
 ]
 
 

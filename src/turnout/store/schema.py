@@ -46,6 +46,7 @@ tasks = sa.Table(
     sa.Column("cost_usd", sa.Float),
     sa.Column("unservable_since", sa.Float),
     sa.Column("pipeline_run_id", sa.String(40)),
+    sa.Column("isolation", Json),  # what confined the last attempt's process (added by migration 6)
     sa.Index("ix_tasks_queue", "state", "capability", "priority", "created_at"),
     sa.Index("ix_tasks_worker", "worker_id", "state"),
     sa.Index("ix_tasks_tenant", "tenant", "id"),

@@ -289,6 +289,7 @@ class Agent:
             self._events.append({"task_id": task_id, "attempt": attempt, "event": event})
             self._events_ready.set()
 
+        isolation: dict[str, Any] | None = None
         try:
             if runnable is None:
                 outcome = Outcome(
@@ -306,6 +307,8 @@ class Agent:
                 if grant and not grant.get("exclusive") and proc.pid:
                     self._shared[task_id] = SharedTask(task_id, proc.pid, tuple(grant.get("uuids", [])),
                                                        int(grant.get("memory_bytes", 0)))  # fmt: skip
+                if proc.pid is not None:  # it started: record what confines it
+                    isolation = proc.isolation or {"mode": "none"}
                 try:
                     outcome = await proc.run(runnable.task_line(lease), sink, lease.get("timeout_s"))
                     # a failure the program reported itself leaves it warm; a timeout or a crash does not
@@ -328,6 +331,7 @@ class Agent:
         self._completions.append({
             "task_id": task_id, "attempt": attempt, "status": "succeeded" if outcome.succeeded else "failed",
             "output": outcome.output, "error": outcome.error, "run_s": outcome.run_s, "started_at": outcome.started_at,
+            "isolation": isolation,
         })  # fmt: skip
         self._completions_ready.set()
 

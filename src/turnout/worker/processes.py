@@ -42,6 +42,9 @@ class Outcome:
 class ProtocolProcess:
     """One live child. `run()` sends one task and collects its events until `finish`."""
 
+    # what confines it, as recorded on its tasks (None: nothing beyond the process group and lifeline)
+    isolation: dict[str, Any] | None = None
+
     def __init__(self, argv: Sequence[str], env: dict[str, str], *, cwd: str | None = None, lifeline_arg: bool = False,
                  default_timeout_s: float | None = None, one_task: bool = False,
                  cleanup_argv: Sequence[str] | None = None) -> None:  # fmt: skip
