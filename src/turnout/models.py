@@ -147,7 +147,7 @@ class Task:
     unservable_since: float | None = None
     pipeline_run_id: str | None = None
     alloc: dict[str, Any] | None = None  # CPU, memory and GPU share held while leased or running
-    isolation: dict[str, Any] | None = None  # what confined its process (sandbox, limits), as the worker reported
+    isolation: dict[str, Any] | None = None  # what confined its process, as its worker reported
 
 
 @dataclass(frozen=True)

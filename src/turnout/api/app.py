@@ -271,12 +271,10 @@ def create_app(service: Service) -> FastAPI:
     @app.post("/v1/workers/{worker_id}/complete")
     async def complete(worker_id: str, body: CompleteIn, p: Principal = need("worker")) -> dict[str, Any]:
         completions = [
-            Completion(
-                r.task_id, r.attempt, r.status == "succeeded", r.output, r.error, r.run_s, r.started_at,
-                r.isolation,
-            )
+            Completion(r.task_id, r.attempt, r.status == "succeeded", r.output, r.error, r.run_s, r.started_at,
+                       r.isolation)
             for r in body.results
-        ]
+        ]  # fmt: skip
         accepted, refused = await service.call(ctrl.complete, worker_id, completions)
         if accepted:
             service.worker_signal(worker_id).notify()  # its capacity is free again; other workers' is not
