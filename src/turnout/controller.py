@@ -267,7 +267,7 @@ class Controller:
             grant_dict = None
             alloc: dict[str, Any] = {"cpu": res.cpu, "memory": res.memory_bytes}
             if decision.device is Device.GPU and grant is not None:
-                room.usage = add_grant(room.usage, grant, placement.workload(task))
+                room.usage = add_grant(room.usage, grant, placement.workload(task), task.tenant)
                 grant_dict = {
                     **grant.to_dict(),
                     "unit_memory_bytes": min(u.memory_bytes for u in room.units if u.uuid in grant.uuids),

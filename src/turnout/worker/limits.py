@@ -148,7 +148,9 @@ class TaskCgroup:
         """Kill whatever is left in it and remove it (a cgroup can be removed only once it is empty)."""
         if self.path is None:
             return
-        if (self.path / "cgroup.kill").exists():  # Linux >= 5.14; before it, the PID namespace did the killing
+        if (
+            self.path / "cgroup.kill"
+        ).exists():  # Linux >= 5.14; before it, the PID namespace did the killing
             with contextlib.suppress(OSError):
                 (self.path / "cgroup.kill").write_text("1")
         deadline = time.monotonic() + timeout_s
