@@ -168,6 +168,10 @@ def worker(
     isolation: str = typer.Option(
         "none", help="Isolation of presets that do not say: none or sandbox (bubblewrap)."
     ),
+    scrub_command: str | None = typer.Option(
+        None,
+        help="Run on a GPU before another tenant's task gets it (exit 0 = scrubbed); 'builtin': torch zeroes free memory.",
+    ),
     sandbox_dev_dir: Path = typer.Option(
         Path("/dev"), help="Where sandboxes find the GPUs' /dev/nvidia* nodes (tests use stand-in nodes)."
     ),
@@ -206,7 +210,7 @@ def worker(
     settings = AgentSettings(controller_url=controller_url or default_url(), token=token or default_token(),
                              name=name or socket.gethostname(), gpus=gpus, strategy=strategy, cpus=cpus,
                              heartbeat_s=heartbeat_s, canary_command=shlex.split(canary) if canary else None,
-                             canary_backoff_s=canary_backoff_s)  # fmt: skip
+                             canary_backoff_s=canary_backoff_s, scrub_command=scrub_command)  # fmt: skip
     run_agent_until_signalled(Agent(settings, runnables, discovery))
 
 

@@ -95,6 +95,20 @@ class CompleteIn(Strict):
     results: list[ResultIn] = Field(max_length=10_000)
 
 
+class ScrubIn(Strict):
+    gpu: str = Field(min_length=1, max_length=128)
+    task_id: str = Field(min_length=1, max_length=40)
+    tenant: str = Field(min_length=1, max_length=64)  # whose task gets the GPU next
+    previous_tenant: str | None = Field(None, max_length=64)  # None: unknown (the worker had just started)
+    ok: bool
+    seconds: float = Field(ge=0)
+    message: str = Field("", max_length=2000)
+
+
+class ScrubsIn(Strict):
+    scrubs: list[ScrubIn] = Field(max_length=1000)
+
+
 MAX_EVENTS_PER_POST = 100_000
 
 

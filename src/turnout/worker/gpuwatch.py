@@ -87,5 +87,9 @@ class GpuWatch:
                             "re-admitted" if change.healthy else "still quarantined", change.reason)  # fmt: skip
         return self.last
 
+    def quarantine(self, uuid: str, reason: str) -> None:
+        for change in self.tracker.quarantine(uuid, reason, time.monotonic()):
+            log.warning("GPU %s quarantined: %s", change.uuid, change.reason)
+
     def quarantined(self) -> dict[str, str]:
         return self.tracker.quarantined()
