@@ -64,6 +64,7 @@ PROBE = textwrap.dedent("""
             out["write"] = {p: attempt(lambda p=p: open(p, "w").write("x")) for p in task["writes"]}
             out["siblings"] = sorted(os.listdir(os.path.dirname(os.getcwd())))
             out["cwd"] = os.getcwd()
+            out["home"] = os.environ.get("HOME")
             out["own_write"] = attempt(lambda: open("mine.txt", "w").write("x"))
             out["tmp_write"] = attempt(lambda: open("/tmp/scratch", "w").write("x"))
         elif do == "procs":
@@ -109,6 +110,7 @@ def sandbox(shared_cluster: Cluster) -> Iterator[tuple[Cluster, Any, Path | None
         "probe-net": {"inference": {"command": cmd, "isolation": "sandbox", "network": True}},
         "probe-small": {"inference": {"command": cmd, "resources": {"memory": "64Mi"}}},
         "probe-open": {"inference": {"command": cmd, "isolation": "none"}},
+        "probe-session": {"inference": {"command": cmd, "mode": "session"}},
     }}  # fmt: skip
     presets = tmp / "presets.yaml"
     presets.write_text(json.dumps(doc))
@@ -195,6 +197,7 @@ def test_a_sandboxed_program_cannot_read_another_tasks_files_or_write_outside_it
     assert set(out["write"].values()) <= {"OSError", "FileNotFoundError", "PermissionError"}, out["write"]
     assert out["siblings"] == [os.path.basename(out["cwd"])]  # no other task's directory is there
     assert (out["own_write"], out["tmp_write"]) == ("ok", "ok")
+    assert out["home"] == out["cwd"]
     assert done["isolation"]["writable"][0] == out["cwd"]
 
 
@@ -208,6 +211,17 @@ def test_a_one_off_tasks_working_directory_is_removed_after_it(
     while cwd.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not cwd.exists()
+
+
+def test_a_sandboxed_session_keeps_one_working_directory_for_the_tasks_it_serves(
+    sandbox: tuple[Cluster, Any, Path | None],
+) -> None:
+    cluster, _, _ = sandbox
+    first, second = (
+        run(cluster, "probe-session", {"do": "read", "paths": [], "writes": []}) for _ in range(2)
+    )
+    assert first["output"]["cwd"] == second["output"]["cwd"]
+    assert first["isolation"]["mode"] == "sandbox"
 
 
 def test_a_sandboxed_program_sees_no_host_process(sandbox: tuple[Cluster, Any, Path | None]) -> None:

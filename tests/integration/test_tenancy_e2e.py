@@ -9,13 +9,12 @@ import shlex
 import sys
 import time
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.conftest import Cluster
+from tests.conftest import Cluster, pid_alive
 
 APP = "tests.apps.testapp:app"
 
@@ -107,11 +106,16 @@ def test_a_gpu_whose_scrub_fails_is_quarantined_and_the_task_does_not_run_on_it(
     assert quarantined.startswith("GPU scrub failed") and reason in quarantined
 
 
-def test_a_gpu_task_runs_without_scrubbing_where_no_scrub_is_configured(
-    cluster: Cluster, tmp_path: Path
-) -> None:
+def test_a_warm_process_serves_one_tenant_and_is_closed_when_its_gpu_changes_tenant(cluster: Cluster) -> None:
     cluster.start_worker(APP, gpus="fake:1x24Gi", name="plain")
     acme, globex = Tenant(cluster, "acme"), Tenant(cluster, "globex")
-    for tenant in (acme, globex):
-        assert tenant.result(tenant.submit("gpuonly", {}))["state"] == "succeeded"
-    assert audit(cluster, "gpu_scrubbed") == []
+    pids = [(t, t.result(t.submit("gpuonly", {}))) for t in (acme, acme, globex)]
+    assert all(done["state"] == "succeeded" for _, done in pids), pids
+    first, again, other = (done["output"]["pid"] for _, done in pids)
+    assert first == again  # warm: acme's process served acme's next task
+    assert other != first  # never globex's
+    deadline = time.monotonic() + 10
+    while pid_alive(first) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(first)  # and it did not linger on the GPU globex now holds
+    assert audit(cluster, "gpu_scrubbed") == []  # no scrub configured, none run

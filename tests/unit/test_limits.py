@@ -38,6 +38,11 @@ def test_each_limit_goes_to_the_mechanism_that_can_hold_it(
     assert (plan.cgroup_files, plan.rlimits, plan.record) == (files, rlimits, record)
 
 
+def test_a_program_asking_nothing_still_gets_the_process_cap_where_a_cgroup_can_hold_it() -> None:
+    assert plan_limits(Limits(), ALL).cgroup_files == {"pids.max": "4096"}
+    assert plan_limits(Limits(), frozenset()).record == {}
+
+
 HYBRID = """\
 24 23 0:22 / /sys/fs/cgroup ro,nosuid,nodev,noexec - tmpfs tmpfs ro,mode=755
 27 24 0:25 / /sys/fs/cgroup/unified rw,nosuid,nodev,noexec,relatime - cgroup2 cgroup2 rw,nsdelegate
