@@ -65,6 +65,7 @@ PROBE = textwrap.dedent("""
             out["siblings"] = sorted(os.listdir(os.path.dirname(os.getcwd())))
             out["cwd"] = os.getcwd()
             out["home"] = os.environ.get("HOME")
+            out["env"] = sorted(os.environ)
             out["own_write"] = attempt(lambda: open("mine.txt", "w").write("x"))
             out["tmp_write"] = attempt(lambda: open("/tmp/scratch", "w").write("x"))
         elif do == "procs":
@@ -142,6 +143,8 @@ def test_a_sandboxed_program_cannot_open_a_gpu_node_it_was_not_given(
 ) -> None:
     cluster, _, dev = sandbox
     if dev is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI must run the device test, but this user may not mknod stand-in device nodes")
         pytest.skip("stand-in device nodes need mknod (root)")
     paths = ["/dev/nvidia0", "/dev/nvidia1", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
     done = run(cluster, "probe-gpu", {"do": "devices", "paths": paths}, gpu="require")
@@ -198,6 +201,9 @@ def test_a_sandboxed_program_cannot_read_another_tasks_files_or_write_outside_it
     assert out["siblings"] == [os.path.basename(out["cwd"])]  # no other task's directory is there
     assert (out["own_write"], out["tmp_write"]) == ("ok", "ok")
     assert out["home"] == out["cwd"]
+    # the worker's own environment stays outside (TURNOUT_URL, TURNOUT_HOME, ...); the contract's is there
+    assert not any(k.startswith("TURNOUT_") and k != "TURNOUT_TASK_ID" for k in out["env"]), out["env"]
+    assert {"MODEL_NAME", "MODEL_PATH", "CUDA_VISIBLE_DEVICES", "TURNOUT_TASK_ID", "PATH"} <= set(out["env"])
     assert done["isolation"]["writable"][0] == out["cwd"]
 
 

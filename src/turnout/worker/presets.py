@@ -43,7 +43,7 @@ from turnout.worker.agent import Runnable
 from turnout.worker.guard import guarded_argv
 from turnout.worker.limits import Limits
 from turnout.worker.processes import OneOffPool, ProcessPool, ProtocolProcess, RefusedProcess
-from turnout.worker.sandbox import Isolation, find_bwrap
+from turnout.worker.sandbox import ENV_KEPT, Isolation, find_bwrap
 from turnout.worker.sandboxed import SandboxedProcess, SandboxHost, SandboxOptions, sandbox_host
 from turnout.worker.visibility import gpu_env
 
@@ -290,7 +290,8 @@ def preset_process(
     if sandbox is not None:
         res = preset.variant.resources
         indices = [int(i) for i in (key[1].split(",") if len(key) > 1 and key[1] else [])]
-        return SandboxedProcess(sandbox, command, {**base_env, **env}, gpu_indices=indices,
+        kept = {k: base_env[k] for k in ENV_KEPT if k in base_env}
+        return SandboxedProcess(sandbox, command, {**kept, **env}, gpu_indices=indices,
                                 network=bool(preset.network), limits=Limits(res.memory_bytes, res.cpu),
                                 read_only=[str(models_dir / preset.name)], **options)  # fmt: skip
     proc = ProtocolProcess(guarded_argv(command), {**base_env, **env}, **options)

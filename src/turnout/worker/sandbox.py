@@ -32,6 +32,9 @@ from pathlib import Path
 
 # Every CUDA process opens these besides its own GPUs' nodes; without them no CUDA context can be made.
 NVIDIA_SHARED_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
+# Of the worker's own environment a sandboxed program gets only these (like a container, which gets none):
+# the rest may hold the worker's secrets and settings.
+ENV_KEPT = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TERM", "PYTHONPATH")
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt", "/sys")
 # Readable by root even without capabilities (root owns them), so they are hidden behind an empty file.
 MASKED_FILES = ("/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-", "/etc/sudoers")
