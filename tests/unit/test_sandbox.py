@@ -16,8 +16,10 @@ from turnout.worker.sandbox import (
     bwrap_argv,
     command_binds,
     device_binds,
+    find_bwrap,
     gpu_node_names,
 )
+from turnout.worker.sandboxed import SandboxOptions, sandbox_host
 
 BASE = SandboxPlan(bwrap="/bin/bwrap", command=("/usr/bin/python3", "/app/w.py"), workdir="/tmp/root/1-a",
                    workroot="/tmp/root", ro_binds=("/usr", "/etc", "/app"), symlinks=(("usr/bin", "/bin"),),
@@ -140,3 +142,16 @@ def test_a_script_directly_in_a_shared_directory_is_bound_alone(tmp_path: Path) 
     finally:
         script.unlink()
     assert str(script) in binds and "/tmp" not in binds
+
+
+def test_a_sandbox_directory_another_user_could_reach_refuses_sandboxes_instead_of_using_it(
+    tmp_path: Path,
+) -> None:
+    shared = tmp_path / "sandboxes"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    found = find_bwrap()
+    if isinstance(found, str):
+        pytest.skip(found)
+    why = sandbox_host(SandboxOptions(workroot=shared), found)
+    assert isinstance(why, str) and "mode 0700" in why

@@ -214,7 +214,7 @@ def preset_runnables(
     host: SandboxHost | str | None = None
     if any((p.isolation or options.default) is Isolation.SANDBOX for p in presets):
         found = find_bwrap()  # probed once, before serving: a sandbox that cannot start fails its tasks
-        host = sandbox_host(options, found) if not isinstance(found, str) else found
+        host = found if isinstance(found, str) else sandbox_host(options, found)
     return [_runnable(p, base_env, root, docker_ok, options, host) for p in presets]
 
 

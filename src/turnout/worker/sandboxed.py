@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import stat
 import sys
 import tempfile
 import time
@@ -63,9 +64,18 @@ class SandboxHost:
     symlinks: tuple[tuple[str, str], ...]
 
 
-def sandbox_host(options: SandboxOptions, bwrap: Bwrap) -> SandboxHost:
-    options.workroot.mkdir(mode=0o700, parents=True, exist_ok=True)
-    sweep(options.workroot)
+def sandbox_host(options: SandboxOptions, bwrap: Bwrap) -> SandboxHost | str:
+    """The host's sandbox facts, or why sandboxes cannot start here (their tasks then fail, saying so)."""
+    root = options.workroot
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = root.lstat()
+    except OSError as exc:
+        return f"cannot make the sandboxes' directory {root}: {exc.strerror or exc}"
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        # in a shared /tmp another user could have made it first, to read or swap tasks' files
+        return f"the sandboxes' directory {root} must be a directory of this user with mode 0700"
+    sweep(root)
     binds, links = system_binds()
     return SandboxHost(bwrap, options, cgroup_parent(), binds, links)
 
