@@ -204,21 +204,37 @@ def worker(
         "pdeathsig,cgroup,pid_namespace.",
     ),
     log_format: str = typer.Option("text", "--log-format", help=LOG_FORMAT_HELP),
+    isolation: str = typer.Option(
+        "none", help="Isolation of presets that do not say: none or sandbox (bubblewrap)."
+    ),
+    scrub_command: str | None = typer.Option(
+        None,
+        help="Run on a GPU before another tenant's task gets it (exit 0 = scrubbed); 'builtin': torch zeroes free memory.",
+    ),
+    sandbox_dev_dir: Path = typer.Option(
+        Path("/dev"), help="Where sandboxes find the GPUs' /dev/nvidia* nodes (tests use stand-in nodes)."
+    ),
     verbose: bool = typer.Option(False, "-v", "--verbose"),
 ) -> None:
     """A worker: serves the given apps (and presets) with the GPUs it finds."""
     import socket
 
     from turnout.client import default_token, default_url
+    from turnout.gpu.provider import discover
     from turnout.runtime import run_agent_until_signalled
     from turnout.worker.agent import Agent, AgentSettings, python_runnables
     from turnout.worker.app import load_app
+    from turnout.worker.sandbox import Isolation
+    from turnout.worker.sandboxed import SandboxOptions
 
     _logging(verbose, log_format)
     if strategy not in ("pack", "spread"):
         raise InvalidInput(f"--strategy: {strategy!r} is not pack or spread", field="strategy")
     if not apps and not presets:
         raise InvalidInput("give at least one MODULE:APP or --presets FILE", field="apps")
+    if isolation not in {i.value for i in Isolation}:
+        raise InvalidInput(f"--isolation: {isolation!r} is not none or sandbox", field="isolation")
+    discovery = discover(gpus)
     from turnout.worker import containment as kernel
 
     kernel.configure(containment)  # probes the host, removes what dead workers of this host left
@@ -230,12 +246,14 @@ def worker(
     if presets:
         from turnout.worker.presets import preset_runnables
 
-        runnables += preset_runnables(presets, base_env, models_dir=models_dir)
+        minors = {d.index: d.minor for d in discovery.devices if d.minor is not None}
+        sandbox = SandboxOptions(Isolation(isolation), sandbox_dev_dir, gpu_minors=minors)
+        runnables += preset_runnables(presets, base_env, models_dir=models_dir, sandbox=sandbox)
     settings = AgentSettings(controller_url=controller_url or default_url(), token=token or default_token(),
                              name=name or socket.gethostname(), gpus=gpus, strategy=strategy, cpus=cpus,
                              heartbeat_s=heartbeat_s, canary_command=shlex.split(canary) if canary else None,
-                             canary_backoff_s=canary_backoff_s)  # fmt: skip
-    run_agent_until_signalled(Agent(settings, runnables))
+                             canary_backoff_s=canary_backoff_s, scrub_command=scrub_command)  # fmt: skip
+    run_agent_until_signalled(Agent(settings, runnables, discovery))
 
 
 # ---- client commands -------------------------------------------------------------------------------

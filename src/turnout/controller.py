@@ -43,7 +43,8 @@ log = logging.getLogger("turnout.controller")
 
 ACTIVE = tuple(ACTIVE_STATES)
 LIVE_WORKER_STATES = (WorkerState.HEALTHY, WorkerState.DRAINING)
-RETRYABLE_ERRORS = frozenset({"gpu_oom", "worker_lost"})
+RETRYABLE_ERRORS = frozenset({"gpu_oom", "worker_lost", "gpu_scrub_failed"})
+AVOID_GPU_ERRORS = frozenset({"gpu_oom", "gpu_scrub_failed"})  # a retry goes to another GPU, not this one
 WORKER_CACHE_S = 0.25  # how stale this controller's copy of the worker list may be
 RUNNING_AFTER_S = 0.5  # a leased task the worker reports as running is marked so after this long
 # A lease the worker does not list as held this long after it was given (at least; or one heartbeat period if
@@ -356,7 +357,7 @@ class Controller:
             grant_dict = None
             alloc: dict[str, Any] = {"cpu": res.cpu, "memory": res.memory_bytes}
             if decision.device is Device.GPU and grant is not None:
-                room.usage = add_grant(room.usage, grant, placement.workload(task))
+                room.usage = add_grant(room.usage, grant, placement.workload(task), task.tenant)
                 grant_dict = {
                     **grant.to_dict(),
                     "unit_memory_bytes": min(u.memory_bytes for u in room.units if u.uuid in grant.uuids),
@@ -486,7 +487,7 @@ class Controller:
         updates = []
         for t, error in items:
             routing = dict(t.routing or {})
-            if error.get("type") == "gpu_oom" and t.gpus:
+            if error.get("type") in AVOID_GPU_ERRORS and t.gpus:
                 # never blindly the same GPU again: another one (whose free memory is its own), or the CPU
                 grant = GpuGrant.from_dict(t.gpus)
                 routing["avoid_gpus"] = sorted(set(routing.get("avoid_gpus", [])) | set(grant.uuids))
@@ -615,6 +616,14 @@ class Controller:
 
     def audit(self, kind: str, tenant: str | None, body: dict[str, Any]) -> None:
         self.store.append_audit([(self.clock(), kind, tenant, body)])
+
+    def record_scrubs(self, worker_id: str, scrubs: Sequence[dict[str, Any]]) -> int:
+        """Audit the GPU scrubs a worker ran between tenants (`gpu_scrubbed`, under the tenant scrubbed away)."""
+        self._worker(worker_id)
+        now = self.clock()
+        self.store.append_audit([(now, "gpu_scrubbed", s.get("previous_tenant"), {**s, "worker": worker_id})
+                                 for s in scrubs])  # fmt: skip
+        return len(scrubs)
 
     def _audit_allocations(self, worker_id: str, leases: Sequence[Lease], now: float) -> None:
         self.store.append_audit(

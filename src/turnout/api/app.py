@@ -23,6 +23,7 @@ from turnout.api.schemas import (
     HeartbeatIn,
     LeaseIn,
     RegisterIn,
+    ScrubsIn,
     TaskBatchIn,
     TaskIn,
     TokenIn,
@@ -309,6 +310,11 @@ def create_app(service: Service) -> FastAPI:
             if any(not c.succeeded for c in completions):
                 service.queue_changed.notify()  # a retryable failure went back to the queue, for anyone
         return {"accepted": accepted, "refused": refused}
+
+    @app.post("/v1/workers/{worker_id}/scrubs")
+    async def scrubs(worker_id: str, body: ScrubsIn, p: Principal = need("worker")) -> dict[str, Any]:
+        stored = await service.call(ctrl.record_scrubs, worker_id, [s.model_dump() for s in body.scrubs])
+        return {"stored": stored}
 
     @app.post("/v1/workers/{worker_id}/events", openapi_extra=EVENTS_BODY)
     async def worker_events(

@@ -53,6 +53,9 @@ MIGRATIONS: list[Migration] = [
     (2, "lease-order index; JSON null as SQL NULL", _queue_order_and_nulls),
     (3, "tasks.isolation: what held a task's processes", _task_isolation),
     (4, "capabilities ever registered, from the workers so far", _known_capabilities),
+    # The sandbox work (issue 10) first numbered the same column 6: here it adds the column only where it is
+    # missing, so it is a no-op after 3, and a database that recorded 6 first finds 3 a no-op in turn.
+    (6, "tasks.isolation under its first number: a no-op where migration 3 ran", _task_isolation),
 ]
 
 

@@ -37,7 +37,7 @@ tasks = sa.Table(
     sa.Column("gpu_model", sa.String(128)),
     sa.Column("alloc", Json),  # resources held while leased/running: cpu, memory
     sa.Column("routing", Json),
-    sa.Column("isolation", Json),  # what held the task's processes on its worker (worker/containment.py)
+    sa.Column("isolation", Json),  # what held the last attempt's processes (containment, sandbox)
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("queued_at", sa.Float),
     sa.Column("leased_at", sa.Float),
