@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 
 from turnout.errors import InvalidInput
+from turnout.tenancy import LimitsTable, parse_limits
 
 DEFAULT_PORT = 8750
 
@@ -39,6 +40,7 @@ class ControllerSettings:
     max_lease_wait_s: float = 30.0
     placement_policy: str = "fgd"  # which GPU worker a task goes to: fgd, bestfit, random
     prices: Prices = field(default_factory=Prices)
+    tenant_limits: LimitsTable = field(default_factory=LimitsTable)  # `limits:`, per tenant
     raw_config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -84,4 +86,5 @@ def parse_prices(raw: Any, source: str = "prices") -> Prices:
 def controller_settings(config_path: Path | None = None, **overrides: Any) -> ControllerSettings:
     raw = load_config_file(config_path)
     prices = parse_prices(raw.get("prices"), f"{config_path}: prices" if config_path else "prices")
-    return ControllerSettings(prices=prices, raw_config=raw, **overrides)
+    limits = parse_limits(raw.get("limits"), str(config_path) if config_path else None)
+    return ControllerSettings(prices=prices, tenant_limits=limits, raw_config=raw, **overrides)

@@ -11,11 +11,12 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from turnout import placement
+from turnout.access import ALL_TENANTS
 from turnout.config import ControllerSettings
 from turnout.errors import Conflict, NotFound
 from turnout.gpu.allocation import (
@@ -37,6 +38,7 @@ from turnout.models import (
 )
 from turnout.routing import ClusterView, Route, WorkerOffer, route, servable
 from turnout.store import SqlStore
+from turnout.tenancy import TenantBuckets, gpu_allocation_rule, round_robin
 
 log = logging.getLogger("turnout.controller")
 
@@ -47,6 +49,14 @@ WORKER_CACHE_S = 0.25  # how stale this controller's copy of the worker list may
 RUNNING_AFTER_S = 0.5  # a leased task the worker reports as running is marked so after this long
 PLACEMENT_SETTLE_S = (
     1.0  # how long a GPU task waits for the policy's best worker before any fitting one takes it
+)
+# what the audit log records (GET /v1/audit?kind=): append-only, one row per event
+AUDIT_KINDS = frozenset({
+    "gpu_allocated", "gpu_released", "token_created", "token_revoked", "task_cancelled",
+    "worker_registered", "worker_drained", "worker_lost", "worker_left",
+})  # fmt: skip
+QUEUED_TENANTS_CACHE_S = (
+    0.5  # how stale the list of tenants with queued tasks may be (other controllers' submits)
 )
 Change = tuple[str, Sequence[TaskState], "int | None", dict[str, Any]]  # see SqlStore.update_tasks
 
@@ -70,6 +80,9 @@ class Controller:
         self.settings = settings
         self.clock = clock
         self._fleet_cache: tuple[float, dict[str, Worker]] | None = None
+        self.gpu_allocations = TenantBuckets(gpu_allocation_rule(settings.tenant_limits), clock)
+        self._queued_tenants: tuple[float, set[str]] | None = None
+        self._turn = 0  # which tenant's queue a lease looks at first: rotates, so none is always first
 
     # ---- tasks -------------------------------------------------------------------------------
 
@@ -81,6 +94,8 @@ class Controller:
             )
             for s in specs
         ]
+        if self._queued_tenants is not None:
+            self._queued_tenants[1].add(tenant)
         return self.store.insert_tasks(tasks)
 
     def get_task(self, tenant: str | None, task_id: str) -> Task:
@@ -92,7 +107,7 @@ class Controller:
     def list_tasks(self, tenant: str | None, **filters: Any) -> list[Task]:
         return self.store.list_tasks(tenant=tenant, **filters)
 
-    def cancel(self, tenant: str | None, task_id: str) -> Task:
+    def cancel(self, tenant: str | None, task_id: str, *, by: str | None = None) -> Task:
         task = self.get_task(tenant, task_id)
         if task.state.terminal:
             raise Conflict(f"task {task_id} already {task.state.value}", field="id")
@@ -102,7 +117,8 @@ class Controller:
               {"state": TaskState.CANCELLED, "finished_at": now, "error": {"type": "cancelled", "message": "cancelled by request"}})]
         )  # fmt: skip
         if changed:
-            self.audit("cancel", task.tenant, {"task": task_id, "worker": task.worker_id})
+            self.audit("task_cancelled", task.tenant, {"task": task_id, "worker": task.worker_id,
+                                                        "state": task.state.value, "by": by})  # fmt: skip
             self._audit_release(task, now)
         return self.get_task(tenant, task_id)
 
@@ -120,7 +136,9 @@ class Controller:
         strategy: str,
         heartbeat_s: float | None = None,
         worker_id: str | None = None,
+        tenant: str = ALL_TENANTS,
     ) -> Worker:
+        """Record a worker (new, or registering again under its id). `tenant`: whom it serves ("*": all)."""
         now = self.clock()
         worker = Worker(
             id=worker_id or new_id("w_"), name=name, host=host, state=WorkerState.HEALTHY, variants=tuple(variants),
@@ -129,8 +147,8 @@ class Controller:
         )  # fmt: skip
         self.store.upsert_worker(worker)
         self._fleet_cache = None
-        self.audit("worker_registered", None, {"worker": worker.id, "name": name, "host": host,
-                                                 "gpus": [g.get("uuid") for g in gpus]})  # fmt: skip
+        self.audit("worker_registered", _audit_tenant(tenant), {"worker": worker.id, "name": name, "host": host,
+                                                                 "serves": tenant, "gpus": [g.get("uuid") for g in gpus]})  # fmt: skip
         return worker
 
     def heartbeat(
@@ -155,20 +173,27 @@ class Controller:
         self.store.update_worker(worker_id, **values)
         return replace(worker, last_heartbeat=values["last_heartbeat"])
 
-    def drain(self, worker_id: str) -> Worker:
+    def drain(self, worker_id: str, *, by: str | None = None) -> Worker:
         self._worker(worker_id)
-        self.store.update_worker(
+        if self.store.update_worker(
             worker_id, (WorkerState.HEALTHY, WorkerState.UNHEALTHY), state=WorkerState.DRAINING.value
-        )
+        ):
+            self.audit("worker_drained", self.worker_tenant(worker_id), {"worker": worker_id, "by": by})
         self._fleet_cache = None
         return self._worker(worker_id)
 
     def deregister(self, worker_id: str) -> None:
         """A worker leaving cleanly: its unfinished tasks go back to the queue at once."""
         self._worker(worker_id)
-        self.store.update_worker(worker_id, state=WorkerState.GONE.value)
+        if self.store.update_worker(worker_id, state=WorkerState.GONE.value):
+            self.audit("worker_left", self.worker_tenant(worker_id), {"worker": worker_id})
         self._fleet_cache = None
         self._requeue_lost(self.store.active_tasks([worker_id]), "worker left")
+
+    def worker_tenant(self, worker_id: str) -> str | None:
+        """The tenant a worker serves, for its audit records; None for a shared pool (the operator's)."""
+        cred = self.store.get_worker_credential(worker_id)
+        return _audit_tenant(cred["tenant"]) if cred else None
 
     def workers(self) -> list[Worker]:
         return self.store.list_workers()
@@ -189,11 +214,16 @@ class Controller:
 
     # ---- leasing -----------------------------------------------------------------------------
 
-    def lease(self, worker_id: str, *, max_tasks: int, running: Sequence[str] = ()) -> LeaseResult:
+    def lease(
+        self, worker_id: str, *, max_tasks: int, running: Sequence[str] = (), tenant: str = ALL_TENANTS
+    ) -> LeaseResult:
         """Give the worker queued tasks that fit its free resources, routed per their `gpu` value.
 
         `running` is what the worker believes it runs: anything there that is no longer its active lease
-        (cancelled, timed out, re-queued after it was thought lost) comes back in `cancel`.
+        (cancelled, timed out, re-queued after it was thought lost) comes back in `cancel`. `tenant` is
+        whom the worker serves ("*": every tenant, taken in turn). A tenant at its GPU quota (`max_gpus`)
+        or over its GPU allocation rate gets no GPU now: its GPU-only tasks stay queued, the others route
+        as if the GPUs were busy.
         """
         now = self.clock()
         fleet = self._fleet()
@@ -226,16 +256,30 @@ class Controller:
         updates = []
         cluster_cache: dict[tuple[str, str, str], ClusterView] = {}
         fleet_view: placement.Fleet | None = None  # built on the first GPU candidate only
+        gpu_use: dict[str, float] | None = None  # GPUs each tenant holds, read on the first GPU grant only
+        limits = self.settings.tenant_limits
         # look a little past what fits (not the whole window) unless the head of the queue is not for us
         slots = min(max_tasks, int((room.cpu + 1e-9) / smallest) if smallest > 0 else max_tasks)
         window = min(self.settings.lease_window, max(16, 4 * slots))
-        for task in self.store.queued_tasks(caps, limit=window, widen_to=self.settings.lease_window):
+        for task in self._queue(caps, window, tenant):
             if len(leases) >= max_tasks or room.cpu + 1e-9 < smallest:
                 break
             offered = worker.offers(task.spec.capability)
             cpu_res = placement.needs(offered.get(Device.CPU), task)
             gpu_res = placement.needs(offered.get(Device.GPU), task)
             grant = placement.try_gpu(room, gpu_res, task) if gpu_res else None
+            held = None  # why the tenant gets no GPU now, though one fits
+            share = gpu_units_of(grant, room.units) if grant is not None else 0.0
+            if grant is not None:
+                quota = limits.of(task.tenant).max_gpus
+                if quota is not None:
+                    gpu_use = self.store.gpu_use_by_tenant() if gpu_use is None else gpu_use
+                    if gpu_use.get(task.tenant, 0.0) + share > quota + 1e-9:
+                        held = f"tenant {task.tenant} holds its max_gpus {quota:g}"
+                if held is None and self.gpu_allocations.wait_s(task.tenant) > 0:
+                    held = f"tenant {task.tenant} is over its gpu_allocations_per_min"
+                if held is not None:
+                    grant = None
             offer = WorkerOffer(
                 cpu_variant=cpu_res is not None, gpu_variant=gpu_res is not None,
                 cpu_fits=cpu_res is not None and placement.fits(room, cpu_res), gpu_fits=grant is not None,
@@ -256,6 +300,8 @@ class Controller:
                     and now - (task.queued_at or task.created_at) < PLACEMENT_SETTLE_S
                 ):
                     continue  # another worker fits it better: leave it to that worker for a moment
+            if held is not None and decision.device is Device.CPU:
+                decision = Route(Device.CPU, f"{held}; {decision.reason}")
             last_error = (task.routing or {}).get("last_error") or {}
             if last_error.get("type") == "gpu_oom" and decision.device is Device.CPU:
                 decision = Route(Device.CPU, f"gpu out of memory on {', '.join((task.routing or {})['avoid_gpus'])}; "
@@ -267,6 +313,9 @@ class Controller:
             grant_dict = None
             alloc: dict[str, Any] = {"cpu": res.cpu, "memory": res.memory_bytes}
             if decision.device is Device.GPU and grant is not None:
+                self.gpu_allocations.take(task.tenant)
+                if gpu_use is not None:
+                    gpu_use[task.tenant] = gpu_use.get(task.tenant, 0.0) + share
                 room.usage = add_grant(room.usage, grant, placement.workload(task))
                 grant_dict = {
                     **grant.to_dict(),
@@ -295,6 +344,27 @@ class Controller:
             leases = [lease for lease in leases if lease.task.id in won]
             self._audit_allocations(worker_id, [lease for lease in leases if lease.grant], now)
         return LeaseResult(leases, cancel)
+
+    def _queue(self, caps: set[str], window: int, tenant: str) -> Iterator[Task]:
+        """Queued tasks a worker serving `tenant` may take: that tenant's in order, or, for a shared worker,
+        every tenant's in turn (round-robin), so a flood from one tenant does not starve the others."""
+        widen = self.settings.lease_window
+        if tenant != ALL_TENANTS:
+            return self.store.queued_tasks(caps, limit=window, widen_to=widen, tenant=tenant)
+        tenants = sorted(self._tenants_queued())
+        if len(tenants) <= 1:
+            return self.store.queued_tasks(caps, limit=window, widen_to=widen)
+        self._turn += 1
+        per = max(8, window // len(tenants))
+        return round_robin(
+            [self.store.queued_tasks(caps, limit=per, widen_to=widen, tenant=t) for t in tenants], self._turn
+        )
+
+    def _tenants_queued(self) -> set[str]:
+        now = time.monotonic()
+        if self._queued_tenants is None or now - self._queued_tenants[0] > QUEUED_TENANTS_CACHE_S:
+            self._queued_tenants = (now, set(self.store.queued_tenants()))
+        return self._queued_tenants[1]
 
     def _to_stop(self, worker_id: str, stale: Sequence[str]) -> list[str]:
         """Of the tasks a worker runs that are no longer its active leases, those it must kill.
@@ -418,11 +488,14 @@ class Controller:
                 w.id, LIVE_WORKER_STATES, state=WorkerState.UNHEALTHY.value
             ):
                 self._fleet_cache = None
+                self.audit("worker_lost", self.worker_tenant(w.id), {"worker": w.id, "name": w.name,
+                                                                      "last_heartbeat": w.last_heartbeat})  # fmt: skip
                 log.warning("worker %s (%s) missed three heartbeats: unhealthy", w.id, w.name)
                 changed = True
         by_id: dict[str, Worker] = {w.id: w for w in self.store.list_workers(include_gone=True)}
         lost: list[Task] = []
         overdue: list[Change] = []
+        overdue_tasks: list[Task] = []
         for t in self.store.active_tasks():
             holder = by_id.get(t.worker_id or "")
             if holder is None or holder.state in (WorkerState.UNHEALTHY, WorkerState.GONE):
@@ -437,10 +510,15 @@ class Controller:
                 error = {"type": "timeout", "message": f"ran longer than timeout_s={t.spec.timeout_s:g}"}
                 overdue.append((t.id, ACTIVE, t.attempts, {"state": TaskState.FAILED, "error": error,
                                                             "finished_at": now, "run_s": now - since}))  # fmt: skip
+                overdue_tasks.append(t)
         if lost:
             changed |= bool(self._requeue_lost(lost, "worker stopped heartbeating"))
         if overdue:
-            changed |= bool(self.store.update_tasks(overdue))
+            timed_out = set(self.store.update_tasks(overdue))
+            for t in overdue_tasks:
+                if t.id in timed_out:
+                    self._audit_release(t, now)
+            changed |= bool(timed_out)
         changed |= self._expire_unplaceable(now, [w for w in workers if w.state is WorkerState.HEALTHY])
         return changed
 
@@ -495,18 +573,27 @@ class Controller:
         self.store.append_audit([(self.clock(), kind, tenant, body)])
 
     def _audit_allocations(self, worker_id: str, leases: Sequence[Lease], now: float) -> None:
+        """One `gpu_allocated` per GPU grant; the same (task, attempt) gets exactly one `gpu_released`."""
         self.store.append_audit(
             [(now, "gpu_allocated", lease.task.tenant,
-              {"task": lease.task.id, "worker": worker_id, "gpus": list((lease.grant or {}).get("uuids", [])),
+              {"task": lease.task.id, "attempt": lease.task.attempts, "worker": worker_id,
+               "gpus": list((lease.grant or {}).get("uuids", [])),
                "memory_bytes": (lease.grant or {}).get("memory_bytes"), "start": now}) for lease in leases]
         )  # fmt: skip
 
     def _audit_release(self, task: Task, now: float) -> None:
+        """Called once per attempt that held GPUs, by whichever change ended it (its conditional update won)."""
         if task.gpus:
-            self.audit("gpu_released", task.tenant, {"task": task.id, "worker": task.worker_id,
+            start = task.leased_at
+            self.audit("gpu_released", task.tenant, {"task": task.id, "attempt": task.attempts, "worker": task.worker_id,
                                                       "gpus": list(task.gpus.get("uuids", [])),
                                                       "memory_bytes": task.gpus.get("memory_bytes"),
-                                                      "start": task.leased_at, "end": now})  # fmt: skip
+                                                      "start": start, "end": now,
+                                                      "seconds": round(now - start, 6) if start else None})  # fmt: skip
+
+
+def _audit_tenant(tenant: str) -> str | None:
+    return None if tenant == ALL_TENANTS else tenant
 
 
 def _no_capacity(task: Task) -> dict[str, Any]:

@@ -128,7 +128,7 @@ def parse_events(body: Any) -> list[tuple[str, int, dict[str, Any]]]:
 
 class TokenIn(Strict):
     role: str
-    tenant: str = "default"
+    tenant: str | None = None  # default: the caller's own tenant ("default" for the operator)
 
 
 def iso(ts: float | None) -> str | None:

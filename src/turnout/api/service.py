@@ -23,8 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from turnout.auth import TokenBook
+from turnout.auth import TokenBook, WorkerKeys
 from turnout.controller import Controller
+from turnout.models import GpuMode, TaskSpec
+from turnout.tenancy import TenantBuckets, admit_submission, gpu_allocation_rule, submit_rule
 
 log = logging.getLogger("turnout.api")
 R = TypeVar("R")
@@ -81,7 +83,11 @@ class Service:
     def __init__(self, controller: Controller, tokens: TokenBook, *, auth: bool = True) -> None:
         self.controller = controller
         self.tokens = tokens
+        self.workers = WorkerKeys(controller.store)
         self.auth = auth
+        limits = controller.settings.tenant_limits
+        self.submissions = TenantBuckets(submit_rule(limits))
+        self.gpu_submissions = TenantBuckets(gpu_allocation_rule(limits))  # GPU-only tasks, at the door
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._db = threading.Thread(target=self._run_jobs, name="turnout-db", daemon=True)
         self._db.start()
@@ -136,6 +142,11 @@ class Service:
                     job.error = job.error or exc
             for job in batch:
                 job.loop.call_soon_threadsafe(job.settle)
+
+    def admit(self, tenant: str, specs: list[TaskSpec]) -> None:
+        """Rate limits at the door, before the database: see `tenancy.admit_submission`."""
+        gpu_only = sum(1 for s in specs if s.gpu is GpuMode.REQUIRE)
+        admit_submission(self.submissions, self.gpu_submissions, tenant, len(specs), gpu_only)
 
     def worker_signal(self, worker_id: str) -> Signal:
         signal = self._worker_signals.get(worker_id)

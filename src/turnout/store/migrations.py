@@ -29,9 +29,20 @@ def _queue_order_and_nulls(conn: sa.Connection) -> None:
             conn.execute(sa.text(f"UPDATE {table} SET {col} = NULL WHERE CAST({col} AS TEXT) = 'null'"))
 
 
+def _tenancy(conn: sa.Connection) -> None:
+    schema.worker_credentials.create(conn, checkfirst=True)
+    schema.queue_by_tenant.create(conn, checkfirst=True)
+    schema.audit_by_tenant.create(conn, checkfirst=True)
+    # Before tenancy, an admin of tenant "default" saw and managed every tenant: it becomes what it was, the
+    # operator (tenant "*"), so an upgrade takes no power from the token in admin.token and gives none to others.
+    conn.execute(sa.text("UPDATE tokens SET tenant = '*' WHERE role = 'admin' AND tenant = 'default'"))
+
+
 MIGRATIONS: list[Migration] = [
     (1, "initial tables", _initial),
     (2, "lease-order index; JSON null as SQL NULL", _queue_order_and_nulls),
+    # 3 and 4 are taken on main (issue 10 access control starts at 5, so a merge appends without renumbering)
+    (5, "tenancy: worker credentials, per-tenant queue and audit indexes, the operator token", _tenancy),
 ]
 
 
