@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,7 +20,9 @@ STATUS = HTTP_STATUS
 
 def error_response(exc: TurnoutError) -> JSONResponse:
     status = next((code for cls, code in STATUS.items() if isinstance(exc, cls)), 500)
-    headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))} if isinstance(exc, RateLimited) else None
+    headers = (
+        {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))} if isinstance(exc, RateLimited) else None
+    )
     return JSONResponse({"error": exc.to_dict()}, status_code=status, headers=headers)
 
 
