@@ -103,7 +103,7 @@ class TokenBucket:
     A request of n is admitted when the bucket holds n, or, for a request bigger than the whole bucket,
     when the bucket is full (it then goes into debt, so a big batch is never refused for ever and the
     long-run rate still holds). Over any interval of T seconds the admitted total is at most
-    capacity + rate_per_s * T + (the largest request - 1).
+    capacity + rate_per_s * T + max(0, the largest request - capacity).
     """
 
     rate_per_s: float
