@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import random
 import threading
@@ -24,6 +25,7 @@ from turnout.config import DEFAULT_PORT
 from turnout.errors import HTTP_STATUS, RateLimited, TurnoutError, Unavailable
 
 T = TypeVar("T")
+log = logging.getLogger("turnout.client")
 TERMINAL = {"succeeded", "failed", "cancelled"}
 _BY_STATUS: dict[int, type[TurnoutError]] = {code: cls for cls, code in HTTP_STATUS.items()}
 
@@ -135,6 +137,7 @@ class AsyncClient:
             if resp.status_code == 429:
                 wait = retry_after_s(resp) * (1 + 0.1 * random.random())
                 if loop.time() + wait <= deadline:
+                    log.warning("rate limited by the controller: waiting %.2f s, as Retry-After says", wait)
                     await asyncio.sleep(wait)
                     continue
             raise_for_error(resp)
