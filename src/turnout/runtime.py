@@ -81,7 +81,7 @@ def _admin_token(store: object, tokens: TokenBook, home: Path, fresh: bool) -> s
     if fresh or tokens.store.count_tokens() == 0:
         token_id, token = tokens.create(Role.ADMIN, ALL_TENANTS)
         tokens.store.append_audit([(time.time(), "token_created", None,
-                                    {"id": token_id, "role": "admin", "tenant": ALL_TENANTS, "by": "turnout"})])  # fmt: skip
+                                    {"token": token_id, "role": "admin", "token_tenant": ALL_TENANTS, "by": "turnout"})])  # fmt: skip
         write_admin_token(home, token)
         return token
     return None

@@ -131,16 +131,18 @@ def test_a_tenant_at_its_gpu_quota_waits_queued_and_all_its_gpu_tasks_succeed(
     c, tokens = limited
     quota = [post(c, tokens["quota"], {"capability": "work", "gpu": "require", "input": {"sleep": 0.6}}).json()
              for _ in range(3)]  # fmt: skip
-    calm = httpx.post(f"{c.url}/v1/tasks/batch", headers={"Authorization": f"Bearer {tokens['calm']}"}, timeout=30,
-                      json={"tasks": [{"capability": "work", "gpu": "require", "input": {"sleep": 0.6}}] * 2}).json()  # fmt: skip
     done = [wait_done(c, tokens["quota"], t["id"]) for t in quota]
     assert [t["state"] for t in done] == ["succeeded"] * 3  # held queued, never failed
     assert all(t["attempts"] == 1 and t["device"] == "gpu" for t in done)
+    # control: with both GPUs free, a tenant without a quota takes both at once (one batch, one lease)
+    calm = httpx.post(f"{c.url}/v1/tasks/batch", headers={"Authorization": f"Bearer {tokens['calm']}"}, timeout=30,
+                      json={"tasks": [{"capability": "work", "gpu": "require", "input": {"sleep": 0.6}}] * 2}).json()  # fmt: skip
     calm_done = [wait_done(c, tokens["calm"], t["id"]) for t in calm["tasks"]]
     assert [t["state"] for t in calm_done] == ["succeeded"] * 2
 
     def peak(tenant: str) -> int:
         records = c.api("GET", "/v1/audit", params={"tenant": tenant, "limit": 10_000}).json()["audit"]
+        # ISO 8601 UTC times sort as text; at a tie, a release before an allocation (-1 before 1)
         moves = sorted([(r["start"], 1) for r in records if r["kind"] == "gpu_allocated"]
                        + [(r["end"], -1) for r in records if r["kind"] == "gpu_released"])  # fmt: skip
         level = top = 0

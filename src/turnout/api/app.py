@@ -398,7 +398,7 @@ def create_app(service: Service) -> FastAPI:
         def run() -> dict[str, Any]:  # the token and its audit record commit together
             made = service.tokens.grant(p, body.role, tenant)
             ctrl.audit("token_created", _audit_tenant(made["tenant"]),
-                       {"id": made["id"], "role": made["role"], "tenant": made["tenant"], "by": p.token_id})  # fmt: skip
+                       {"token": made["id"], "role": made["role"], "token_tenant": made["tenant"], "by": p.token_id})  # fmt: skip
             return made
 
         return await service.call(run)
@@ -416,7 +416,7 @@ def create_app(service: Service) -> FastAPI:
         def run() -> dict[str, Any]:
             row = service.tokens.revoke(p, token_id)
             ctrl.audit("token_revoked", _audit_tenant(row["tenant"]),
-                       {"id": token_id, "role": row["role"], "tenant": row["tenant"], "by": p.token_id})  # fmt: skip
+                       {"token": token_id, "role": row["role"], "token_tenant": row["tenant"], "by": p.token_id})  # fmt: skip
             return row
 
         row = await service.call(run)
@@ -439,8 +439,7 @@ def create_app(service: Service) -> FastAPI:
             raise InvalidInput(f"kind: {kind!r} is not one of {', '.join(sorted(AUDIT_KINDS))}", field="kind")
         records = await service.read(ctrl.store.list_audit, _parse_since(since), limit, tenant=tenant or scope(p),
                                      kind=kind, after_id=cursor)  # fmt: skip
-        return {"audit": [{"id": r["id"], "ts": iso(r["ts"]), "kind": r["kind"], "tenant": r["tenant"], **r["body"]}
-                          for r in records],
+        return {"audit": [_audit_out(r) for r in records],
                 "next_cursor": records[-1]["id"] if len(records) == limit else None}  # fmt: skip
 
     @app.get("/metrics")
@@ -456,6 +455,14 @@ def create_app(service: Service) -> FastAPI:
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     return app
+
+
+AUDIT_TIMES = ("start", "end", "last_heartbeat")  # epoch seconds in the record, ISO 8601 on the wire
+
+
+def _audit_out(r: dict[str, Any]) -> dict[str, Any]:
+    body = {k: iso(v) if k in AUDIT_TIMES and isinstance(v, int | float) else v for k, v in r["body"].items()}
+    return {**body, "id": r["id"], "ts": iso(r["ts"]), "kind": r["kind"], "tenant": r["tenant"]}
 
 
 def _audit_tenant(tenant: str) -> str | None:
