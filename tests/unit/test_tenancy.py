@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
+import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -65,6 +67,14 @@ def test_a_bad_limit_in_the_config_file_names_the_file_and_the_key(tmp_path: Pat
     with pytest.raises(InvalidInput) as caught:
         controller_settings(config)
     assert str(config) in caught.value.message and "limits.acme.max_gpus" in caught.value.message
+
+
+def test_the_readme_limits_example_means_what_it_says() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```yaml\n(.*?)```", readme, flags=re.S) if b.startswith("limits:"))
+    table = parse_limits(yaml.safe_load(block)["limits"], "README.md")
+    assert table.of("acme") == TenantLimits(submit_per_s=50, gpu_allocations_per_min=60, max_gpus=2)
+    assert table.of("anyone") == TenantLimits(submit_per_s=200, gpu_allocations_per_min=600, max_gpus=8)
 
 
 def test_zero_gpus_is_a_valid_quota() -> None:
