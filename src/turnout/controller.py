@@ -38,7 +38,7 @@ from turnout.models import (
 )
 from turnout.routing import ClusterView, Route, WorkerOffer, route, servable
 from turnout.store import SqlStore
-from turnout.tenancy import TenantBuckets, gpu_allocation_rule, round_robin
+from turnout.tenancy import TenantBuckets, fair_order, gpu_allocation_rule, round_robin
 
 log = logging.getLogger("turnout.controller")
 
@@ -347,18 +347,18 @@ class Controller:
 
     def _queue(self, caps: set[str], window: int, tenant: str) -> Iterator[Task]:
         """Queued tasks a worker serving `tenant` may take: that tenant's in order, or, for a shared worker,
-        every tenant's in turn (round-robin), so a flood from one tenant does not starve the others."""
+        every tenant's in turn (round-robin), the tenant holding the fewest running tasks first, so a flood
+        from one tenant does not starve the others: a calm tenant's task takes the next free slot."""
         widen = self.settings.lease_window
         if tenant != ALL_TENANTS:
             return self.store.queued_tasks(caps, limit=window, widen_to=widen, tenant=tenant)
-        tenants = sorted(self._tenants_queued())
+        tenants = self._tenants_queued()
         if len(tenants) <= 1:
             return self.store.queued_tasks(caps, limit=window, widen_to=widen)
         self._turn += 1
-        per = max(8, window // len(tenants))
-        return round_robin(
-            [self.store.queued_tasks(caps, limit=per, widen_to=widen, tenant=t) for t in tenants], self._turn
-        )
+        order = fair_order(tenants, self.store.active_by_tenant(), self._turn)
+        per = max(8, window // len(order))
+        return round_robin([self.store.queued_tasks(caps, limit=per, widen_to=widen, tenant=t) for t in order])
 
     def _tenants_queued(self) -> set[str]:
         now = time.monotonic()

@@ -205,6 +205,16 @@ def admit_submission(
         gpu_only.take(tenant, n_gpu_only)
 
 
+def fair_order(tenants: Iterable[str], active: Mapping[str, int], turn: int) -> list[str]:
+    """Whose queue a shared worker looks at first: the tenant holding the fewest active tasks; among equals,
+    a rotation by `turn`, so no tenant is always first."""
+    names = sorted(tenants)
+    if not names:
+        return []
+    rotation = {name: (i - turn) % len(names) for i, name in enumerate(names)}
+    return sorted(names, key=lambda name: (active.get(name, 0), rotation[name]))
+
+
 def round_robin(sources: Iterable[Iterable[T]], start: int = 0) -> Iterator[T]:
     """One item from each source in turn, beginning at source `start`: one tenant's deep queue cannot
     push another tenant's tasks out of a lease. Sources are read lazily, one item at a time."""

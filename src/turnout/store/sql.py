@@ -195,6 +195,12 @@ class SqlStore:
         with self._read() as conn:
             return [r[0] for r in conn.execute(_QUEUED_TENANTS) if r[0] is not None]
 
+    def active_by_tenant(self) -> dict[str, int]:
+        """Leased or running tasks per tenant: who holds the most of the cluster now."""
+        query = sa.select(T.c.tenant, sa.func.count()).where(T.c.state.in_(_ACTIVE)).group_by(T.c.tenant)
+        with self._read() as conn:
+            return {tenant: int(n) for tenant, n in conn.execute(query)}
+
     def gpu_use_by_tenant(self) -> dict[str, float]:
         """GPUs each tenant holds now (leased or running tasks; a share counts its fraction)."""
         query = sa.select(T.c.tenant, T.c.alloc).where(T.c.state.in_(_ACTIVE), T.c.gpus.is_not(None))
