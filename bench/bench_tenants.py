@@ -1,13 +1,17 @@
 """Fairness between tenants: a calm tenant's submit-to-result latency, alone and while another tenant floods.
 
-One controller (limits `"*": {submit_per_s: 200}`, the DESIGN.md default) and two shared-pool workers of
-the demo app, each offering 0.4 cores, so four 0.1-core tasks at a time each: eight slots in all.
+One controller (limits `"*": {submit_per_s: 200}`, the DESIGN.md default, and `flood-50` at 50 a second)
+and two shared-pool workers of the demo app, each offering 0.4 cores, so four 0.1-core tasks at a time
+each: eight slots in all.
 
 - unloaded: the calm tenant runs `noop` tasks one after another (POST, then GET .../result?wait=10).
-- flood: the flooding tenant submits `sleep` tasks of 0.1 s from several concurrent clients as fast as
-  they can, never waiting out a 429 (a hostile client). The pool runs at most 80 of them a second, and
-  200 a second are admitted, so the flooding tenant's queue grows by over 100 a second. Once it is deep,
-  the calm tenant measures again.
+- flood at 50/s, then at 200/s: the flooding tenant submits `sleep` tasks of 0.1 s from several concurrent
+  clients as fast as they can, never waiting out a 429 (a hostile client). The pool runs at most 80 of
+  them a second: at 50 a second it keeps up with slots mostly busy; at 200 a second the flooding tenant's
+  queue grows by over 100 a second. Once it is deep, the calm tenant measures again.
+
+Each phase also records the CPU the controller used (in % of one core) and the host's load, since on a
+small shared host the flood's own clients and the controller's work compete with the calm tenant's.
 
 The claim (issue 10): under the flood, the calm tenant's p50 stays within 2x of its unloaded p50. Without
 per-tenant rate limits and round-robin leasing, its tasks would wait behind the flood's whole backlog.
@@ -19,19 +23,20 @@ per-tenant rate limits and round-robin leasing, its tasks would wait behind the 
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from bench.common import Processes, TurnoutCluster, percentile
 
 NAME = "tenants"
 AIM_P50_RATIO = 2.0
-CONFIG = 'limits:\n  "*": {submit_per_s: 200}\n'
+CONFIG = 'limits:\n  "*": {submit_per_s: 200}\n  flood-50: {submit_per_s: 50}\n'
 FLOOD_CLIENTS = 4
 
 
@@ -60,43 +65,79 @@ def _latency(url: str, token: str, n: int, warmup: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _flood(url: str, token: str, stop: Any, counts: Any) -> None:
+    """The flooding clients, in a process of their own: in the measuring process they would take the GIL
+    from the calm tenant's client and inflate what is measured."""
+
+    async def client(http: httpx.AsyncClient) -> None:
+        body = {"capability": "sleep", "input": {"seconds": 0.1}}
+        while not stop.is_set():
+            resp = await http.post("/v1/tasks", json=body)
+            slot = {201: 0, 429: 1}.get(resp.status_code, 2)
+            with counts.get_lock():
+                counts[slot] += 1
+
+    async def main() -> None:
+        limits = httpx.Limits(max_connections=FLOOD_CLIENTS, max_keepalive_connections=FLOOD_CLIENTS)
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30,
+                                     limits=limits) as http:  # fmt: skip
+            await asyncio.gather(*(client(http) for _ in range(FLOOD_CLIENTS)))
+
+    asyncio.run(main())
+
+
 class _Flood:
     """Concurrent clients submitting as fast as they can until stopped, ignoring Retry-After."""
 
     def __init__(self, url: str, token: str) -> None:
-        self.url, self.token = url, token
-        self.accepted = self.refused = self.other = 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+        ctx = multiprocessing.get_context("spawn")
+        self.stop = ctx.Event()
+        self.counts = ctx.Array("l", 3)  # accepted, refused (429), other
+        self.proc = ctx.Process(target=_flood, args=(url, token, self.stop, self.counts), daemon=True)
         self.started = 0.0
         self.elapsed_s = 0.0
 
-    async def _client(self, http: httpx.AsyncClient) -> None:
-        body = {"capability": "sleep", "input": {"seconds": 0.1}}
-        while not self.stop.is_set():
-            resp = await http.post("/v1/tasks", json=body)
-            if resp.status_code == 201:
-                self.accepted += 1
-            elif resp.status_code == 429:
-                self.refused += 1
-            else:
-                self.other += 1
+    @property
+    def accepted(self) -> int:
+        return int(self.counts[0])
 
-    async def _main(self) -> None:
-        limits = httpx.Limits(max_connections=FLOOD_CLIENTS, max_keepalive_connections=FLOOD_CLIENTS)
-        async with httpx.AsyncClient(base_url=self.url, headers={"Authorization": f"Bearer {self.token}"},
-                                     timeout=30, limits=limits) as http:  # fmt: skip
-            await asyncio.gather(*(self._client(http) for _ in range(FLOOD_CLIENTS)))
+    @property
+    def refused(self) -> int:
+        return int(self.counts[1])
+
+    @property
+    def other(self) -> int:
+        return int(self.counts[2])
 
     def __enter__(self) -> _Flood:
         self.started = time.perf_counter()
-        self.thread.start()
+        self.proc.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
-        self.thread.join(timeout=60)
+        self.proc.join(timeout=60)
+        if self.proc.is_alive():
+            self.proc.kill()
         self.elapsed_s = time.perf_counter() - self.started
+
+
+class _Cpu:
+    """CPU a process used over a block, in % of one core, and the host's 1-minute load at its end."""
+
+    def __init__(self, proc: psutil.Process) -> None:
+        self.proc = proc
+        self.pct = 0.0
+        self.load = 0.0
+
+    def __enter__(self) -> _Cpu:
+        self.t0, self.cpu0 = time.perf_counter(), sum(self.proc.cpu_times()[:2])
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        used = sum(self.proc.cpu_times()[:2]) - self.cpu0
+        self.pct = round(100 * used / (time.perf_counter() - self.t0), 1)
+        self.load = round(psutil.getloadavg()[0], 2)
 
 
 def _queued(url: str, token: str) -> int:
@@ -120,7 +161,7 @@ def run(quick: bool = False, timeout_s: float = 300) -> dict[str, Any]:
             for name in ("pool-1", "pool-2"):
                 cluster.start_worker("turnout.demo:app", name, extra=["--cpus", "0.4"])
             tokens = {}
-            for tenant in ("calm", "flood"):
+            for tenant in ("calm", "flood", "flood-50"):
                 made = httpx.post(f"{cluster.url}/v1/tokens", headers=cluster.headers, timeout=30,
                                   json={"role": "submit", "tenant": tenant}).json()  # fmt: skip
                 tokens[tenant] = made["token"]
@@ -130,21 +171,30 @@ def run(quick: bool = False, timeout_s: float = 300) -> dict[str, Any]:
                 "slots": 8,
                 "flood_clients": FLOOD_CLIENTS,
             }
-            out["unloaded"] = _latency(cluster.url, tokens["calm"], n, warmup)
-            with _Flood(cluster.url, tokens["flood"]) as flood:
-                time.sleep(backlog_s)  # let the flood's queue grow deep before measuring
-                out["backlog_before"] = _queued(cluster.url, cluster.token)
-                out["flood"] = _latency(cluster.url, tokens["calm"], n, warmup)
-                out["backlog_after"] = _queued(cluster.url, cluster.token)
-            out["flood_submissions"] = {
-                "accepted": flood.accepted, "refused_429": flood.refused, "other": flood.other,
-                "seconds": round(flood.elapsed_s, 2), "accepted_per_s": round(flood.accepted / flood.elapsed_s, 1),
-                "refused_per_s": round(flood.refused / flood.elapsed_s, 1),
-            }  # fmt: skip
-            ratio = out["flood"]["p50_ms"] / out["unloaded"]["p50_ms"]
-            out["p50_ratio"] = round(ratio, 2)
+            assert cluster.controller is not None
+            controller = psutil.Process(cluster.controller.pid)
+            with _Cpu(controller) as cpu:
+                out["unloaded"] = _latency(cluster.url, tokens["calm"], n, warmup)
+            out["unloaded"]["controller_cpu_pct"], out["unloaded"]["host_load"] = cpu.pct, cpu.load
+            for phase, tenant, wait_s in (("flood_50", "flood-50", 2.0), ("flood_200", "flood", backlog_s)):
+                with _Flood(cluster.url, tokens[tenant]) as flood:
+                    time.sleep(wait_s)  # let the flood settle (and, at 200/s, its queue grow deep)
+                    backlog_before = _queued(cluster.url, cluster.token)
+                    with _Cpu(controller) as cpu:
+                        calm = _latency(cluster.url, tokens["calm"], n, warmup)
+                    backlog_after = _queued(cluster.url, cluster.token)
+                out[phase] = {
+                    "calm": {**calm, "controller_cpu_pct": cpu.pct, "host_load": cpu.load},
+                    "backlog": [backlog_before, backlog_after],
+                    "submissions": {"accepted_per_s": round(flood.accepted / flood.elapsed_s, 1),
+                                    "refused_per_s": round(flood.refused / flood.elapsed_s, 1), "other": flood.other},
+                    "p50_ratio": round(calm["p50_ms"] / out["unloaded"]["p50_ms"], 2),
+                }  # fmt: skip
             out["aim_p50_ratio"] = AIM_P50_RATIO
-            out["meets_aim"] = ratio <= AIM_P50_RATIO and out["flood"]["failed"] == 0
+            out["meets_aim"] = {
+                phase: out[phase]["p50_ratio"] <= AIM_P50_RATIO and out[phase]["calm"]["failed"] == 0
+                for phase in ("flood_50", "flood_200")
+            }
             return out
         except Exception as exc:
             logs = {
@@ -159,12 +209,16 @@ def run(quick: bool = False, timeout_s: float = 300) -> dict[str, Any]:
 def summary(result: dict[str, Any]) -> str:
     if "error" in result:
         return f"  error: {result['error']}"
-    u, f, s = result["unloaded"], result["flood"], result["flood_submissions"]
-    return "\n".join([
-        f"  calm tenant p50 / p99: unloaded {u['p50_ms']} / {u['p99_ms']} ms, under flood {f['p50_ms']} / {f['p99_ms']} ms",
-        f"  of which the POST (p50): {u['submit_p50_ms']} -> {f['submit_p50_ms']} ms; queue_s (p50): "
-        f"{u['queue_p50_ms']} -> {f['queue_p50_ms']} ms",
-        f"  p50 ratio {result['p50_ratio']} (aim <= {result['aim_p50_ratio']}): {'met' if result['meets_aim'] else 'NOT met'}",
-        f"  flood: {s['accepted_per_s']}/s accepted, {s['refused_per_s']}/s refused with 429; "
-        f"queue {result['backlog_before']} -> {result['backlog_after']} tasks",
-    ])  # fmt: skip
+    u = result["unloaded"]
+    lines = [f"  calm tenant alone: p50 {u['p50_ms']} ms, p99 {u['p99_ms']} ms (POST {u['submit_p50_ms']} ms, "
+             f"queue_s {u['queue_p50_ms']} ms; controller {u['controller_cpu_pct']}% CPU, load {u['host_load']})"]  # fmt: skip
+    for phase in ("flood_50", "flood_200"):
+        p, c, s = result[phase], result[phase]["calm"], result[phase]["submissions"]
+        met = "met" if result["meets_aim"][phase] else "NOT met"
+        lines += [
+            f"  {phase}: calm p50 {c['p50_ms']} ms, p99 {c['p99_ms']} ms (POST {c['submit_p50_ms']} ms, queue_s "
+            f"{c['queue_p50_ms']} ms; controller {c['controller_cpu_pct']}% CPU, load {c['host_load']})",
+            f"    p50 ratio {p['p50_ratio']} (aim <= {result['aim_p50_ratio']}): {met}; flood {s['accepted_per_s']}/s "
+            f"accepted, {s['refused_per_s']}/s refused (429); its queue {p['backlog'][0]} -> {p['backlog'][1]}",
+        ]  # fmt: skip
+    return "\n".join(lines)

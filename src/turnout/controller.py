@@ -70,6 +70,7 @@ def new_id(prefix: str) -> str:
 class LeaseResult:
     leases: list[Lease] = field(default_factory=list)
     cancel: list[str] = field(default_factory=list)  # task ids the worker must stop
+    full: bool = False  # the worker has no room for anything it offers: only freed capacity changes that
 
 
 class Controller:
@@ -249,7 +250,7 @@ class Controller:
         room = placement.room_of(worker, list(mine.values()))
         smallest = min((v.resources.cpu for v in worker.variants), default=0.0)
         if room.cpu + 1e-9 < smallest:
-            return LeaseResult([], cancel)  # full: nothing it offers could fit now
+            return LeaseResult([], cancel, full=True)  # nothing it offers could fit now
         workers = [w for w in fleet.values() if w.state is WorkerState.HEALTHY]
         caps = {v.capability for v in worker.variants}
         leases: list[Lease] = []
@@ -358,7 +359,9 @@ class Controller:
         self._turn += 1
         order = fair_order(tenants, self.store.active_by_tenant(), self._turn)
         per = max(8, window // len(order))
-        return round_robin([self.store.queued_tasks(caps, limit=per, widen_to=widen, tenant=t) for t in order])
+        return round_robin(
+            [self.store.queued_tasks(caps, limit=per, widen_to=widen, tenant=t) for t in order]
+        )
 
     def _tenants_queued(self) -> set[str]:
         now = time.monotonic()

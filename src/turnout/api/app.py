@@ -330,7 +330,11 @@ def create_app(service: Service) -> FastAPI:
         running = list(body.running)
         mine = service.worker_signal(worker_id)
         while True:
-            signals = [service.queue_changed.current(), mine.current()]
+            queue, stops, capacity = (
+                service.queue_changed.current(),
+                service.changes.current(),
+                mine.current(),
+            )
             result = await service.call(
                 ctrl.lease, worker_id, max_tasks=body.max_tasks, running=running, tenant=me.tenant
             )
@@ -349,7 +353,9 @@ def create_app(service: Service) -> FastAPI:
                     ],
                     "cancel": result.cancel,
                 }  # fmt: skip
-            await Signal.wait_any(signals, min(left, POLL_S))
+            # a full worker waits for its own capacity (or a cancel, a timeout, a fleet change), not for every new
+            # task: under a flood of submissions that would re-run its lease for nothing, hundreds of times a second
+            await Signal.wait_any([stops, capacity] if result.full else [queue, capacity], min(left, POLL_S))
 
     @app.post("/v1/workers/{worker_id}/complete")
     async def complete(

@@ -93,6 +93,7 @@ class Service:
         self._db.start()
         self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="turnout-read")
         self.queue_changed = Signal()  # new tasks, freed capacity, cancellations
+        self.changes = Signal()  # cancellations, timeouts, workers coming and going: what `changed()` says
         self.tasks_changed = Signal()  # some task reached a terminal state or changed worker
         self.events_added = Signal()
         self._worker_signals: dict[
@@ -155,6 +156,7 @@ class Service:
         return signal
 
     def changed(self) -> None:
+        self.changes.notify()
         self.queue_changed.notify()
         self.tasks_changed.notify()
 
