@@ -504,7 +504,8 @@ def _parse_since(since: str | None) -> float | None:
     from datetime import datetime
 
     try:
-        return datetime.fromisoformat(since.replace("Z", "+00:00")).timestamp()
+        # times go out rounded to the microsecond: a record's own `ts`, sent back as `since`, must include it
+        return datetime.fromisoformat(since.replace("Z", "+00:00")).timestamp() - 1e-6
     except ValueError:
         raise InvalidInput(
             f"since: {since!r} is not an ISO 8601 time or epoch seconds", field="since"
