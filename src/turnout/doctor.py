@@ -306,8 +306,9 @@ def _token_check(url: str, settings: DoctorSettings) -> Check:
     if not body.get("auth", True):
         return Check("token", OK, "the controller runs without auth (--no-auth, loopback only)")
     role, tenant = body.get("role"), body.get("tenant")
-    if role == "worker":
-        return Check("token", OK, f"a worker token of tenant {tenant}")
+    if role == "worker":  # a worker serves its token's tenant; "*" makes it a shared pool
+        serves = "every tenant (a shared pool)" if tenant == "*" else f"tenant {tenant}'s tasks only"
+        return Check("token", OK, f"a worker token: this worker will serve {serves}")
     if role == "admin":
         return Check("token", WARN, f"an admin token of tenant {tenant}: it works, but can do anything if this host leaks it",
                      "use a worker token here: " + make)  # fmt: skip

@@ -72,7 +72,7 @@ def test_a_shared_gpu_serves_one_tenant_at_a_time_and_is_scrubbed_between_tenant
     assert ts(done[other]["started_at"]) >= ts(done[second]["finished_at"])
     # scrubbed before acme's first task (history unknown to a new worker) and between acme and globex, no more
     scrubs = audit(cluster, "gpu_scrubbed")
-    assert [(s["previous_tenant"], s["tenant"], s["ok"], s["gpu"]) for s in scrubs] == [
+    assert [(s["previous_tenant"], s["next_tenant"], s["ok"], s["gpu"]) for s in scrubs] == [
         (None, "acme", True, "GPU-fake-0"), ("acme", "globex", True, "GPU-fake-0")]  # fmt: skip
     assert scrubs[1]["task_id"] == other and ts(scrubs[1]["ts"]) <= ts(done[other]["started_at"])
     assert log.read_text().split() == ["GPU-fake-0", "GPU-fake-0"]
@@ -92,7 +92,7 @@ def test_a_gpu_whose_scrub_fails_is_quarantined_and_the_task_does_not_run_on_it(
     assert (task["state"], task["error"]["type"]) == ("failed", "no_capacity"), task  # never ran
     assert task["routing"]["avoid_gpus"] == ["GPU-fake-0"]
     [record] = audit(cluster, "gpu_scrubbed")
-    assert (record["ok"], record["gpu"], record["tenant"]) == (False, "GPU-fake-0", "acme")
+    assert (record["ok"], record["gpu"], record["next_tenant"]) == (False, "GPU-fake-0", "acme")
     assert reason in record["message"]
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:

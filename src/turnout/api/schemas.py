@@ -279,7 +279,8 @@ def parse_events(body: Any, limits: RequestLimits) -> list[tuple[str, int, dict[
 
 class TokenIn(Strict):
     role: str
-    tenant: str = Field("default", min_length=1, max_length=64, pattern=_NO_NUL)
+    # default: the caller's own tenant ("default" for the operator); "*" (every tenant) for the operator only
+    tenant: str | None = Field(None, min_length=1, max_length=64, pattern=_NO_NUL)
 
 
 def iso(ts: float | None) -> str | None:

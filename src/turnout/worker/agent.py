@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import psutil
 
+from turnout.access import WORKER_SECRET_HEADER
 from turnout.errors import InvalidInput
 from turnout.gpu.allocation import GpuRequest, fits_ever
 from turnout.gpu.devices import GpuDevice, units_of
@@ -238,7 +239,10 @@ class Agent:
                 if resp.status_code in (401, 403, 422):
                     raise InvalidInput(f"controller refused registration: {resp.text}", field="worker")
                 resp.raise_for_status()
-                self.worker_id = resp.json()["id"]
+                answer = resp.json()
+                self.worker_id = answer["id"]
+                # who we are, on every later call (registering again included): our token and this secret
+                self.http.headers[WORKER_SECRET_HEADER] = answer["secret"]
                 self._registered.set()
                 log.info(
                     "registered as %s with %d variants, %d GPUs",
