@@ -83,6 +83,7 @@ class TurnoutCluster:
     token: str = ""
     controller: subprocess.Popen[bytes] | None = None
     workers: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    controller_args: list[str] = field(default_factory=list)  # e.g. ["--config", "turnout.yaml"]
 
     @property
     def url(self) -> str:
@@ -102,7 +103,8 @@ class TurnoutCluster:
 
     def start_controller(self, timeout_s: float = 30) -> None:
         argv = [sys.executable, "-m", "turnout.cli", "controller", "--db", f"sqlite:///{self.tmp / 'turnout.db'}",
-                "--port", str(self.port), "--home", str(self.tmp / "home"), "--heartbeat-s", str(self.heartbeat_s)]  # fmt: skip
+                "--port", str(self.port), "--home", str(self.tmp / "home"), "--heartbeat-s", str(self.heartbeat_s),
+                *self.controller_args]  # fmt: skip
         self.controller = self.procs.start(argv, self.env, self.tmp / "controller.log")
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

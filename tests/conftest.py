@@ -132,8 +132,11 @@ class Cluster:
         )
         raise RuntimeError(f"worker {name} did not register: {logs[-3000:]}")
 
-    def api(self, method: str, path: str, **kwargs: object) -> httpx.Response:
-        headers = {"Authorization": f"Bearer {self.token}"}
+    def api(
+        self, method: str, path: str, *, headers: dict[str, str] | None = None, **kwargs: object
+    ) -> httpx.Response:
+        """A call with the admin token; `headers` adds to it (a worker stand-in's `X-Worker-Secret`)."""
+        headers = {"Authorization": f"Bearer {self.token}", **(headers or {})}
         return httpx.request(method, f"{self.url}{path}", headers=headers, timeout=60, **kwargs)  # type: ignore[arg-type]
 
     def submit(self, capability: str, input: object = None, **options: object) -> dict:

@@ -1,43 +1,38 @@
-"""Tokens: made once, shown once, stored as SHA-256 hashes, each bound to a role and a tenant."""
+"""Credentials: bearer tokens and worker secrets, made once, shown once, stored as SHA-256 hashes.
+
+Who may do what is decided in `access.py`; this module only stores and verifies. A worker proves who it is
+on every call with two things: the token that registered it, and the secret its registration answered
+(header `X-Worker-Secret`). A token alone cannot act as another worker, and a stolen secret is useless
+without the token.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from turnout.errors import Forbidden, InvalidInput, NotFound, Unauthorized
+from turnout.access import ALL_TENANTS, WORKER_SECRET_HEADER, Principal, check_grant, visible
+from turnout.errors import Forbidden, NotFound, Unauthorized
 from turnout.models import Role
 from turnout.store import SqlStore
 
 TOKEN_PREFIX = "tnt_"
-# who may do what: an admin may do everything; the others only their own kind of request
-ALLOWED: dict[str, frozenset[Role]] = {
-    "submit": frozenset({Role.ADMIN, Role.SUBMIT}),
-    "read": frozenset({Role.ADMIN, Role.SUBMIT, Role.READ}),
-    "worker": frozenset({Role.ADMIN, Role.WORKER}),
-    "admin": frozenset({Role.ADMIN}),
-}
-
-
-@dataclass(frozen=True)
-class Principal:
-    token_id: str
-    role: Role
-    tenant: str
-
-    @property
-    def sees_all_tenants(self) -> bool:
-        return self.role is Role.ADMIN and self.tenant == "default"
-
-
-ANONYMOUS_ADMIN = Principal("anonymous", Role.ADMIN, "default")
+WORKER_SECRET_PREFIX = "tws_"
 
 
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _bearer(header: str | None) -> str:
+    if not header or not header.lower().startswith("bearer "):
+        raise Unauthorized("missing bearer token (Authorization: Bearer <token>)")
+    return header[7:].strip()
 
 
 class TokenBook:
@@ -49,40 +44,43 @@ class TokenBook:
         self.store = store
         self._cache: dict[str, tuple[float, Principal | None]] = {}
 
-    def create(self, role: str, tenant: str = "default") -> tuple[str, str]:
-        """Returns (token id, token). The token itself is never stored."""
-        try:
-            parsed = Role(role)
-        except ValueError:
-            raise InvalidInput(
-                f"role: {role!r} is not one of admin, submit, worker, read", field="role"
-            ) from None
-        if not tenant or len(tenant) > 64 or not tenant.replace("-", "").replace("_", "").isalnum():
-            raise InvalidInput(f"tenant: {tenant!r} must be 1-64 letters, digits, - or _", field="tenant")
+    def create(self, role: Role, tenant: str) -> tuple[str, str]:
+        """Returns (token id, token), for a (role, tenant) already checked. The token itself is never stored."""
         token = TOKEN_PREFIX + secrets.token_urlsafe(32)
         token_id = "k_" + secrets.token_hex(8)
-        self.store.insert_token(token_id, hash_token(token), parsed.value, tenant, time.time())
+        self.store.insert_token(token_id, hash_token(token), role.value, tenant, time.time())
         return token_id, token
 
-    def revoke(self, token_id: str) -> None:
-        if self.store.get_token(token_id) is None:
+    def grant(self, by: Principal, role: Any, tenant: Any) -> dict[str, Any]:
+        """`by` makes a token: `{id, token, role, tenant}`, after `access.check_grant` allows it."""
+        parsed, name = check_grant(by, role, tenant)
+        token_id, token = self.create(parsed, name)
+        return {"id": token_id, "token": token, "role": parsed.value, "tenant": name}
+
+    def listed(self, by: Principal, tenant: str | None = None) -> list[dict[str, Any]]:
+        """Tokens `by` may see: its own tenant's, or (the operator) any tenant's, optionally one."""
+        if tenant is not None:
+            visible(by, tenant, f"tenant {tenant}", "tenant")
+        return self.store.list_tokens(tenant if tenant is not None else by.scope)
+
+    def revoke(self, by: Principal, token_id: str) -> dict[str, Any]:
+        """Revoke a token of `by`'s tenant (any, for the operator); another tenant's token is 404."""
+        row = self.store.get_token(token_id)
+        if row is None or not _may_manage(by, row["tenant"]):
             raise NotFound(f"token {token_id} not found", field="id")
         self.store.revoke_token(token_id, time.time())
         self._cache.clear()
+        return row
 
-    def cached(self, header: str | None, need: str) -> Principal | None:
+    def cached(self, header: str | None) -> Principal | None:
         """The principal if this token was looked up in the last few seconds (raises if it was bad); else None."""
-        if not header or not header.lower().startswith("bearer "):
-            raise Unauthorized("missing bearer token (Authorization: Bearer <token>)")
-        hit = self._cache.get(hash_token(header[7:].strip()))
+        hit = self._cache.get(hash_token(_bearer(header)))
         if hit is None or time.monotonic() - hit[0] > self.CACHE_S:
             return None
-        return self._check(hit[1], need)
+        return _known(hit[1])
 
-    def verify(self, header: str | None, need: str) -> Principal:
-        if not header or not header.lower().startswith("bearer "):
-            raise Unauthorized("missing bearer token (Authorization: Bearer <token>)")
-        digest = hash_token(header[7:].strip())
+    def verify(self, header: str | None) -> Principal:
+        digest = hash_token(_bearer(header))
         now = time.monotonic()
         hit = self._cache.get(digest)
         if hit is None or now - hit[0] > self.CACHE_S:
@@ -93,15 +91,86 @@ class TokenBook:
             if len(self._cache) > 10_000:
                 self._cache.clear()
             self._cache[digest] = hit = (now, principal)
-        return self._check(hit[1], need)
+        return _known(hit[1])
 
-    @staticmethod
-    def _check(principal: Principal | None, need: str) -> Principal:
-        if principal is None:
-            raise Unauthorized("unknown or revoked token")
-        if principal.role not in ALLOWED[need]:
-            raise Forbidden(f"a {principal.role.value} token cannot do this (needs {need})")
-        return principal
+
+def _known(principal: Principal | None) -> Principal:
+    if principal is None:
+        raise Unauthorized("unknown or revoked token")
+    return principal
+
+
+def _may_manage(by: Principal, tenant: str) -> bool:
+    """A token of `tenant` is managed by the operator, or by an admin of that very tenant (not of "*")."""
+    return by.is_operator or (tenant != ALL_TENANTS and tenant == by.tenant)
+
+
+@dataclass(frozen=True)
+class WorkerCredential:
+    """Who a worker is: written once at its first registration, never changed."""
+
+    worker_id: str
+    secret_hash: str
+    token_id: str
+    tenant: str  # the tenant it serves; "*" for a shared pool
+
+    @property
+    def audit_tenant(self) -> str | None:
+        return None if self.tenant == ALL_TENANTS else self.tenant
+
+
+class WorkerKeys:
+    """Issues and checks worker secrets. Credentials never change, so they are cached for good."""
+
+    def __init__(self, store: SqlStore) -> None:
+        self.store = store
+        self._cache: dict[str, WorkerCredential] = {}
+
+    def lookup(self, worker_id: str) -> WorkerCredential | None:
+        cred = self._cache.get(worker_id)
+        if cred is None:
+            row = self.store.get_worker_credential(worker_id)
+            if row is None:
+                return None
+            cred = WorkerCredential(row["worker_id"], row["secret_hash"], row["token_id"], row["tenant"])
+            if len(self._cache) > 100_000:
+                self._cache.clear()
+            self._cache[worker_id] = cred
+        return cred
+
+    def cached(self, worker_id: str) -> WorkerCredential | None:
+        return self._cache.get(worker_id)
+
+    def claim(self, by: Principal, worker_id: str, secret: str | None) -> tuple[WorkerCredential, str]:
+        """The credential for registering `worker_id`, and its secret: the one already issued (which the
+        caller must present, with the token that registered it) or, for a new worker id, a fresh one bound
+        to the caller's token and tenant."""
+        existing = self.lookup(worker_id)
+        if existing is not None:
+            return check(existing, by, secret), secret or ""
+        fresh = WORKER_SECRET_PREFIX + secrets.token_urlsafe(32)
+        cred = WorkerCredential(worker_id, hash_token(fresh), by.token_id, by.tenant)
+        # not cached here: this runs inside a transaction that may yet roll back; lookup() caches once it is read
+        self.store.insert_worker_credential(worker_id, cred.secret_hash, by.token_id, by.tenant, time.time())
+        return cred, fresh
+
+
+def check(cred: WorkerCredential | None, by: Principal, secret: str | None) -> WorkerCredential:
+    """The caller is this worker: its registering token, and its secret. Unknown worker: 404 (register
+    again); someone else's worker: 403."""
+    if cred is None:
+        raise NotFound("worker not found; register again", field="worker")
+    if (
+        not secret
+        or not hmac.compare_digest(hash_token(secret), cred.secret_hash)
+        or by.token_id != cred.token_id
+    ):
+        raise Forbidden(
+            f"not worker {cred.worker_id}: a worker calls with the token that registered it and the secret "
+            f"its registration answered ({WORKER_SECRET_HEADER})",
+            field="worker",
+        )
+    return cred
 
 
 def write_admin_token(home: Path, token: str) -> Path:

@@ -25,7 +25,7 @@ app = typer.Typer(
     no_args_is_help=True,
     help="Send every ML and data task to the hardware that suits it.",
 )
-token_app = typer.Typer(no_args_is_help=True, help="Make and revoke API tokens (admin).")
+token_app = typer.Typer(no_args_is_help=True, help="Make, list and revoke API tokens (admin).")
 app.add_typer(token_app, name="token")
 out = Console()
 err = Console(stderr=True)
@@ -204,21 +204,37 @@ def worker(
         "pdeathsig,cgroup,pid_namespace.",
     ),
     log_format: str = typer.Option("text", "--log-format", help=LOG_FORMAT_HELP),
+    isolation: str = typer.Option(
+        "none", help="Isolation of presets that do not say: none or sandbox (bubblewrap)."
+    ),
+    scrub_command: str | None = typer.Option(
+        None,
+        help="Run on a GPU before another tenant's task gets it (exit 0 = scrubbed); 'builtin': torch zeroes free memory.",
+    ),
+    sandbox_dev_dir: Path = typer.Option(
+        Path("/dev"), help="Where sandboxes find the GPUs' /dev/nvidia* nodes (tests use stand-in nodes)."
+    ),
     verbose: bool = typer.Option(False, "-v", "--verbose"),
 ) -> None:
     """A worker: serves the given apps (and presets) with the GPUs it finds."""
     import socket
 
     from turnout.client import default_token, default_url
+    from turnout.gpu.provider import discover
     from turnout.runtime import run_agent_until_signalled
     from turnout.worker.agent import Agent, AgentSettings, python_runnables
     from turnout.worker.app import load_app
+    from turnout.worker.sandbox import Isolation
+    from turnout.worker.sandboxed import SandboxOptions
 
     _logging(verbose, log_format)
     if strategy not in ("pack", "spread"):
         raise InvalidInput(f"--strategy: {strategy!r} is not pack or spread", field="strategy")
     if not apps and not presets:
         raise InvalidInput("give at least one MODULE:APP or --presets FILE", field="apps")
+    if isolation not in {i.value for i in Isolation}:
+        raise InvalidInput(f"--isolation: {isolation!r} is not none or sandbox", field="isolation")
+    discovery = discover(gpus)
     from turnout.worker import containment as kernel
 
     kernel.configure(containment)  # probes the host, removes what dead workers of this host left
@@ -230,12 +246,14 @@ def worker(
     if presets:
         from turnout.worker.presets import preset_runnables
 
-        runnables += preset_runnables(presets, base_env, models_dir=models_dir)
+        minors = {d.index: d.minor for d in discovery.devices if d.minor is not None}
+        sandbox = SandboxOptions(Isolation(isolation), sandbox_dev_dir, gpu_minors=minors)
+        runnables += preset_runnables(presets, base_env, models_dir=models_dir, sandbox=sandbox)
     settings = AgentSettings(controller_url=controller_url or default_url(), token=token or default_token(),
                              name=name or socket.gethostname(), gpus=gpus, strategy=strategy, cpus=cpus,
                              heartbeat_s=heartbeat_s, canary_command=shlex.split(canary) if canary else None,
-                             canary_backoff_s=canary_backoff_s)  # fmt: skip
-    run_agent_until_signalled(Agent(settings, runnables))
+                             canary_backoff_s=canary_backoff_s, scrub_command=scrub_command)  # fmt: skip
+    run_agent_until_signalled(Agent(settings, runnables, discovery))
 
 
 # ---- client commands -------------------------------------------------------------------------------
@@ -466,39 +484,62 @@ def simulate(
 @token_app.command("create")
 def token_create(
     role: str = typer.Option(..., help="admin, submit, worker or read."),
-    tenant: str = typer.Option("default"),
+    tenant: str | None = typer.Option(
+        None, help='Tenant it belongs to (default: your own; "*" = every tenant, operator only).'
+    ),
 ) -> None:
     """Make a token (shown once)."""
     with _client() as client:
-        body = client.request("POST", "/v1/tokens", json={"role": role, "tenant": tenant})
+        body = client.create_token(role, tenant)
     out.print_json(json.dumps(body))
+
+
+@token_app.command("list")
+def token_list(
+    tenant: str | None = typer.Option(None, help="Only this tenant's tokens."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Tokens you may manage (never the tokens themselves)."""
+    with _client() as client:
+        tokens = client.list_tokens(tenant)
+    if as_json:
+        out.print_json(json.dumps({"tokens": tokens}))
+        return
+    table = Table("id", "role", "tenant", "created_at", "revoked_at")
+    for t in tokens:
+        table.add_row(t["id"], t["role"], t["tenant"], t["created_at"] or "", t["revoked_at"] or "")
+    out.print(table)
 
 
 @token_app.command("revoke")
 def token_revoke(token_id: str) -> None:
+    """Revoke a token: it stops working within seconds on every controller."""
     with _client() as client:
-        client.request("DELETE", f"/v1/tokens/{token_id}")
+        client.revoke_token(token_id)
     out.print(f"{token_id}: revoked")
 
 
 @app.command()
 def audit(
-    since: str | None = typer.Option(None),
-    jsonl: bool = typer.Option(False, "--jsonl", help="One JSON record per line."),
-    as_json: bool = typer.Option(False, "--json", help='{"audit": [...]} as the API answers.'),
+    since: str | None = typer.Option(None, help="ISO 8601 time or epoch seconds."),
+    tenant: str | None = typer.Option(None, help="Only this tenant's records."),
+    kind: str | None = typer.Option(None, help="Only this kind, e.g. gpu_allocated."),
+    jsonl: bool = typer.Option(False, "--jsonl", help="One JSON record per line (for export)."),
+    as_json: bool = typer.Option(False, "--json", help='{"audit": [...]} as the API answers (every page).'),
 ) -> None:
-    """The audit log (admin)."""
+    """The audit log (admin): GPU allocations and releases, tokens, cancellations, workers."""
     with _client() as client:
-        body = client.request("GET", "/v1/audit", params={"since": since} if since else {})
+        records = client.audit(since=since, tenant=tenant, kind=kind)
     if as_json:
-        out.print_json(json.dumps(body))
+        out.print_json(json.dumps({"audit": records}))
         return
-    for rec in body["audit"]:
+    for rec in records:
         if jsonl:
             print(json.dumps(rec))
         else:
             out.print(f"{rec['ts']}  {rec['kind']:<18} {rec.get('tenant') or '':<10} "
-                      + json.dumps({k: v for k, v in rec.items() if k not in ('ts', 'kind', 'tenant', 'id')}))  # fmt: skip
+                      + json.dumps({k: v for k, v in rec.items() if k not in ('ts', 'kind', 'tenant', 'id')}),
+                      markup=False, highlight=False)  # fmt: skip
 
 
 @app.command()

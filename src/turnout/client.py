@@ -9,8 +9,11 @@ print(task.result(timeout=30)["output"])
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import os
+import random
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Iterator
 from pathlib import Path
@@ -23,6 +26,7 @@ from turnout.errors import HTTP_STATUS, InvalidInput, RateLimited, TurnoutError,
 from turnout.jsonsafe import problem
 
 T = TypeVar("T")
+log = logging.getLogger("turnout.client")
 TERMINAL = {"succeeded", "failed", "cancelled"}
 _BY_STATUS: dict[int, type[TurnoutError]] = {code: cls for cls, code in HTTP_STATUS.items()}
 
@@ -55,11 +59,21 @@ def raise_for_error(resp: httpx.Response) -> None:
         err = {"message": f"HTTP {resp.status_code}: {resp.text[:200]}"}
     message = err.get("message") or f"HTTP {resp.status_code}"
     if resp.status_code == 429:
-        raise RateLimited(
-            message, retry_after_s=float(resp.headers.get("Retry-After", "1")), field=err.get("field")
-        )
+        raise RateLimited(message, retry_after_s=retry_after_s(resp), field=err.get("field"))
     cls = _BY_STATUS.get(resp.status_code, TurnoutError)
     raise cls(message, field=err.get("field"))
+
+
+def retry_after_s(resp: httpx.Response) -> float:
+    """How long a 429 asks us to wait: the body's exact `retry_after_s`, else the Retry-After header (seconds)."""
+    with contextlib.suppress(ValueError, AttributeError, TypeError):
+        exact = resp.json()["error"]["retry_after_s"]
+        if isinstance(exact, int | float) and exact >= 0:
+            return float(exact)
+    try:
+        return max(0.0, float(resp.headers.get("Retry-After", "1")))
+    except ValueError:
+        return 1.0
 
 
 class AsyncTaskHandle:
@@ -89,8 +103,18 @@ class AsyncTaskHandle:
 
 
 class AsyncClient:
-    def __init__(self, url: str | None = None, token: str | None = None, *, timeout_s: float = 30.0) -> None:
+    """`rate_limit_wait_s`: how long in all a call waits out 429s (as Retry-After says) before raising RateLimited."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        timeout_s: float = 30.0,
+        rate_limit_wait_s: float = 60.0,
+    ) -> None:
         self.url = (url or default_url()).rstrip("/")
+        self.rate_limit_wait_s = rate_limit_wait_s
         token = token or default_token()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.AsyncClient(
@@ -107,15 +131,26 @@ class AsyncClient:
         await self.http.aclose()
 
     async def request(self, method: str, path: str, **kwargs: Any) -> Any:
+        """One API call. A 429 accepted nothing, so it is safe to send again: wait as Retry-After says (with
+        a little jitter, so many clients do not return at once), up to `rate_limit_wait_s` in all."""
         found = problem(kwargs["json"]) if "json" in kwargs else None
         if found is not None:  # refused here, naming the field, rather than as httpx's ValueError or a 422
             raise InvalidInput(f"{found[0]}: {found[1]}", field=found[0])
-        try:
-            resp = await self.http.request(method, path, **kwargs)
-        except httpx.ConnectError as exc:
-            raise Unavailable(f"cannot reach the Turnout controller at {self.url}: {exc}") from None
-        raise_for_error(resp)
-        return resp.json()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.rate_limit_wait_s
+        while True:
+            try:
+                resp = await self.http.request(method, path, **kwargs)
+            except httpx.ConnectError as exc:
+                raise Unavailable(f"cannot reach the Turnout controller at {self.url}: {exc}") from None
+            if resp.status_code == 429:
+                wait = retry_after_s(resp) * (1 + 0.1 * random.random())
+                if loop.time() + wait <= deadline:
+                    log.warning("rate limited by the controller: waiting %.2f s, as Retry-After says", wait)
+                    await asyncio.sleep(wait)
+                    continue
+            raise_for_error(resp)
+            return resp.json()
 
     async def submit(
         self, capability: str, input: Any = None, *, gpu: str | bool = "auto", **options: Any
@@ -148,6 +183,33 @@ class AsyncClient:
 
     async def capabilities(self) -> list[dict[str, Any]]:
         return (await self.request("GET", "/v1/capabilities"))["capabilities"]
+
+    async def create_token(self, role: str, tenant: str | None = None) -> dict[str, Any]:
+        """A new token `{id, token, role, tenant}` (shown once); tenant defaults to the caller's own."""
+        body = {"role": role} if tenant is None else {"role": role, "tenant": tenant}
+        return await self.request("POST", "/v1/tokens", json=body)
+
+    async def list_tokens(self, tenant: str | None = None) -> list[dict[str, Any]]:
+        params = {"tenant": tenant} if tenant is not None else {}
+        return (await self.request("GET", "/v1/tokens", params=params))["tokens"]
+
+    async def revoke_token(self, token_id: str) -> dict[str, Any]:
+        return await self.request("DELETE", f"/v1/tokens/{token_id}")
+
+    async def audit(
+        self, since: str | None = None, tenant: str | None = None, kind: str | None = None
+    ) -> list[dict[str, Any]]:
+        """Every audit record that matches, oldest first (all pages)."""
+        params: dict[str, Any] = {
+            k: v for k, v in (("since", since), ("tenant", tenant), ("kind", kind)) if v
+        }
+        out: list[dict[str, Any]] = []
+        while True:
+            page = await self.request("GET", "/v1/audit", params=params)
+            out += page["audit"]
+            if page.get("next_cursor") is None:
+                return out
+            params["cursor"] = page["next_cursor"]
 
     async def run_pipeline(self, name: str, input: Any, **options: Any) -> dict[str, Any]:
         return await self.request("POST", f"/v1/pipelines/{name}/runs", json={"input": input, **options})
@@ -252,9 +314,16 @@ class TaskHandle:
 class Client:
     """Blocking facade over `AsyncClient`: the same methods, one implementation."""
 
-    def __init__(self, url: str | None = None, token: str | None = None, *, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        timeout_s: float = 30.0,
+        rate_limit_wait_s: float = 60.0,
+    ) -> None:
         self._loop = _Loop()
-        self._async = self._loop.run(_make_async(url, token, timeout_s))
+        self._async = self._loop.run(_make_async(url, token, timeout_s, rate_limit_wait_s))
         self.url = self._async.url
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -282,12 +351,15 @@ class Client:
         return TaskHandle(self, AsyncTaskHandle(self._async, {"id": task_id}))
 
     def __getattr__(self, name: str) -> Any:
-        """get_task, get_result, cancel, tasks, workers, capabilities, run_pipeline: run the async twin."""
+        """get_task, get_result, cancel, tasks, workers, capabilities, create_token, list_tokens, revoke_token,
+        audit, run_pipeline: run the async twin."""
         method = getattr(self._async, name)
         if not asyncio.iscoroutinefunction(method):
             raise AttributeError(name)
         return lambda *a, **kw: self._run(method(*a, **kw))
 
 
-async def _make_async(url: str | None, token: str | None, timeout_s: float) -> AsyncClient:
-    return AsyncClient(url, token, timeout_s=timeout_s)
+async def _make_async(
+    url: str | None, token: str | None, timeout_s: float, rate_limit_wait_s: float
+) -> AsyncClient:
+    return AsyncClient(url, token, timeout_s=timeout_s, rate_limit_wait_s=rate_limit_wait_s)

@@ -11,6 +11,7 @@ import yaml
 
 from turnout.errors import InvalidInput
 from turnout.resources import parse_bytes
+from turnout.tenancy import LimitsTable, parse_limits
 
 DEFAULT_PORT = 8750
 MiB = 1024**2
@@ -111,7 +112,8 @@ class ControllerSettings:
     max_lease_wait_s: float = 30.0
     placement_policy: str = "fgd"  # which GPU worker a task goes to: fgd, bestfit, random
     prices: Prices = field(default_factory=Prices)
-    request_limits: RequestLimits = field(default_factory=RequestLimits)
+    request_limits: RequestLimits = field(default_factory=RequestLimits)  # `request_limits:`, per request
+    tenant_limits: LimitsTable = field(default_factory=LimitsTable)  # `limits:`, per tenant
     raw_config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -167,7 +169,9 @@ def controller_settings(
         limits = replace(
             limits, **_fields_of(parse_request_limits(dict(limit_flags), "--request-limit"), limit_flags)
         )
-    return ControllerSettings(prices=prices, request_limits=limits, raw_config=raw, **overrides)
+    tenant_limits = parse_limits(raw.get("limits"), str(config_path) if config_path else None)
+    return ControllerSettings(prices=prices, request_limits=limits, tenant_limits=tenant_limits, raw_config=raw,
+                              **overrides)  # fmt: skip
 
 
 def _fields_of(limits: RequestLimits, names: Mapping[str, str]) -> dict[str, int]:

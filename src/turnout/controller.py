@@ -12,11 +12,12 @@ import difflib
 import logging
 import secrets
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from turnout import placement
+from turnout.access import ALL_TENANTS, worker_serves
 from turnout.config import ControllerSettings
 from turnout.errors import Conflict, IdempotencyConflict, InvalidInput, NotFound
 from turnout.gpu.allocation import (
@@ -38,12 +39,14 @@ from turnout.models import (
 )
 from turnout.routing import ClusterView, Route, WorkerOffer, route, servable
 from turnout.store import SqlStore
+from turnout.tenancy import TenantBuckets, fair_order, gpu_allocation_rule, round_robin
 
 log = logging.getLogger("turnout.controller")
 
 ACTIVE = tuple(ACTIVE_STATES)
 LIVE_WORKER_STATES = (WorkerState.HEALTHY, WorkerState.DRAINING)
-RETRYABLE_ERRORS = frozenset({"gpu_oom", "worker_lost"})
+RETRYABLE_ERRORS = frozenset({"gpu_oom", "worker_lost", "gpu_scrub_failed"})
+AVOID_GPU_ERRORS = frozenset({"gpu_oom", "gpu_scrub_failed"})  # a retry goes to another GPU, not this one
 WORKER_CACHE_S = 0.25  # how stale this controller's copy of the worker list may be
 RUNNING_AFTER_S = 0.5  # a leased task the worker reports as running is marked so after this long
 # A lease the worker does not list as held this long after it was given (at least; or one heartbeat period if
@@ -53,6 +56,14 @@ UNDELIVERED_FREE = 5  # lost lease answers a task may have before they count aga
 KEPT_ROUTING = ("avoid_gpus", "last_error", "undelivered")  # routing history a new lease carries on
 PLACEMENT_SETTLE_S = (
     1.0  # how long a GPU task waits for the policy's best worker before any fitting one takes it
+)
+# what the audit log records (GET /v1/audit?kind=): append-only, one row per event
+AUDIT_KINDS = frozenset({
+    "gpu_allocated", "gpu_released", "gpu_scrubbed", "token_created", "token_revoked", "task_cancelled",
+    "worker_registered", "worker_drained", "worker_lost", "worker_left",
+})  # fmt: skip
+QUEUED_TENANTS_CACHE_S = (
+    0.5  # how stale the list of tenants with queued tasks may be (other controllers' submits)
 )
 Change = tuple[str, Sequence[TaskState], "int | None", dict[str, Any]]  # see SqlStore.update_tasks
 
@@ -66,6 +77,7 @@ def new_id(prefix: str) -> str:
 class LeaseResult:
     leases: list[Lease] = field(default_factory=list)
     cancel: list[str] = field(default_factory=list)  # task ids the worker must stop
+    full: bool = False  # the worker has no room for anything it offers: only freed capacity changes that
 
 
 class Controller:
@@ -81,6 +93,9 @@ class Controller:
         # an outage), workers get their full allowance to reach it again before their work is re-queued.
         self.started_at = clock()
         self.lease_expiries = 0  # tasks this controller took back from workers that died (a /metrics counter)
+        self.gpu_allocations = TenantBuckets(gpu_allocation_rule(settings.tenant_limits), clock)
+        self._queued_tenants: tuple[float, set[str]] | None = None
+        self._turn = 0  # which tenant's queue a lease looks at first: rotates, so none is always first
 
     # ---- tasks -------------------------------------------------------------------------------
 
@@ -103,7 +118,7 @@ class Controller:
         patient = list(waits_for_capacity) if waits_for_capacity is not None else [False] * len(specs)
         for spec, prefix, waits in zip(specs, where, patient, strict=True):
             if not waits:
-                self._check_known(spec.capability, f"{prefix}capability")
+                self._check_known(spec.capability, f"{prefix}capability", tenant)
         now = self.clock()
         tasks = [
             Task(
@@ -111,26 +126,37 @@ class Controller:
             )
             for s in specs
         ]
+        if self._queued_tenants is not None:
+            self._queued_tenants[1].add(tenant)
         try:
             return self.store.insert_tasks(tasks)
         except IdempotencyConflict as exc:
             field = f"{where[exc.index]}idempotency_key"
             raise IdempotencyConflict(exc.key, exc.task_id, index=exc.index, field=field) from None
 
-    def _check_known(self, capability: str, field_name: str) -> None:
+    def _check_known(self, capability: str, field_name: str, tenant: str) -> None:
         if capability in self._known:
             return
         self._known = self.store.known_capabilities()  # another controller may have met a new worker
         if capability in self._known:
             return
-        close = difflib.get_close_matches(capability, sorted(self._known), n=3, cutoff=0.6)
+        # the hint names only what workers this tenant may use registered: another tenant's private
+        # capabilities are not this tenant's to learn (read only here, on the way to a 422)
+        names = sorted(self._known & self._capabilities_for(tenant))
+        close = difflib.get_close_matches(capability, names, n=3, cutoff=0.6)
         hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-        known = f" (known: {', '.join(sorted(self._known)[:20])})" if self._known and not close else ""
+        known = f" (known: {', '.join(names[:20])})" if names and not close else ""
         raise InvalidInput(
             f"{field_name}: no worker has ever registered {capability!r}{hint}{known}. To queue it for workers "
             "that will register later, set placement_timeout_s",
             field=field_name,
         )
+
+    def _capabilities_for(self, tenant: str) -> set[str]:
+        """Capabilities registered by workers (gone ones included) that may serve `tenant`."""
+        serves = self.store.worker_tenants()
+        return {v.capability for w in self.store.list_workers(include_gone=True)
+                if worker_serves(serves.get(w.id, ALL_TENANTS), tenant) for v in w.variants}  # fmt: skip
 
     def _remember_capabilities(self, variants: Sequence[Variant], now: float) -> None:
         names = {v.capability for v in variants} - self._known
@@ -147,7 +173,7 @@ class Controller:
     def list_tasks(self, tenant: str | None, **filters: Any) -> list[Task]:
         return self.store.list_tasks(tenant=tenant, **filters)
 
-    def cancel(self, tenant: str | None, task_id: str) -> Task:
+    def cancel(self, tenant: str | None, task_id: str, *, by: str | None = None) -> Task:
         task = self.get_task(tenant, task_id)
         if task.state.terminal:
             raise Conflict(f"task {task_id} already {task.state.value}", field="id")
@@ -157,7 +183,8 @@ class Controller:
               {"state": TaskState.CANCELLED, "finished_at": now, "error": {"type": "cancelled", "message": "cancelled by request"}})]
         )  # fmt: skip
         if changed:
-            self.audit("cancel", task.tenant, {"task": task_id, "worker": task.worker_id})
+            self.audit("task_cancelled", task.tenant, {"task": task_id, "worker": task.worker_id,
+                                                        "state": task.state.value, "by": by})  # fmt: skip
             self._audit_release(task, now)
         return self.get_task(tenant, task_id)
 
@@ -175,7 +202,9 @@ class Controller:
         strategy: str,
         heartbeat_s: float | None = None,
         worker_id: str | None = None,
+        tenant: str = ALL_TENANTS,
     ) -> Worker:
+        """Record a worker (new, or registering again under its id). `tenant`: whom it serves ("*": all)."""
         now = self.clock()
         worker = Worker(
             id=worker_id or new_id("w_"), name=name, host=host, state=WorkerState.HEALTHY, variants=tuple(variants),
@@ -185,8 +214,8 @@ class Controller:
         self.store.upsert_worker(worker)
         self._remember_capabilities(variants, now)
         self._fleet_cache = None
-        self.audit("worker_registered", None, {"worker": worker.id, "name": name, "host": host,
-                                                 "gpus": [g.get("uuid") for g in gpus]})  # fmt: skip
+        self.audit("worker_registered", _audit_tenant(tenant), {"worker": worker.id, "name": name, "host": host,
+                                                                 "serves": tenant, "gpus": [g.get("uuid") for g in gpus]})  # fmt: skip
         return worker
 
     def heartbeat(
@@ -215,20 +244,27 @@ class Controller:
         state = WorkerState(values.get("state", worker.state.value))
         return replace(worker, last_heartbeat=values["last_heartbeat"], state=state)
 
-    def drain(self, worker_id: str) -> Worker:
+    def drain(self, worker_id: str, *, by: str | None = None) -> Worker:
         self._worker(worker_id)
-        self.store.update_worker(
+        if self.store.update_worker(
             worker_id, (WorkerState.HEALTHY, WorkerState.UNHEALTHY), state=WorkerState.DRAINING.value
-        )
+        ):
+            self.audit("worker_drained", self.worker_tenant(worker_id), {"worker": worker_id, "by": by})
         self._fleet_cache = None
         return self._worker(worker_id)
 
     def deregister(self, worker_id: str) -> None:
         """A worker leaving cleanly: its unfinished tasks go back to the queue at once."""
         self._worker(worker_id)
-        self.store.update_worker(worker_id, state=WorkerState.GONE.value)
+        if self.store.update_worker(worker_id, state=WorkerState.GONE.value):
+            self.audit("worker_left", self.worker_tenant(worker_id), {"worker": worker_id})
         self._fleet_cache = None
         self._requeue_lost(self.store.active_tasks([worker_id]), "worker left")
+
+    def worker_tenant(self, worker_id: str) -> str | None:
+        """The tenant a worker serves, for its audit records; None for a shared pool (the operator's)."""
+        cred = self.store.get_worker_credential(worker_id)
+        return _audit_tenant(cred["tenant"]) if cred else None
 
     def connection_closed(self, worker_id: str, closed_at: float) -> bool:
         """The worker's held connection closed and it did not come back: its process is gone (a SIGKILL, a
@@ -240,6 +276,9 @@ class Controller:
         if not self.store.update_worker(worker_id, LIVE_WORKER_STATES, state=WorkerState.UNHEALTHY.value):
             return False
         self._fleet_cache = None
+        self.audit("worker_lost", self.worker_tenant(worker_id), {"worker": worker_id, "name": worker.name,
+                                                                  "last_heartbeat": worker.last_heartbeat,
+                                                                  "reason": "connection closed"})  # fmt: skip
         log.warning("worker %s closed its connection and did not come back: unhealthy", worker.name,
                     extra={"worker_id": worker_id})  # fmt: skip
         taken = self._requeue_lost(self.store.active_tasks([worker_id]), "worker connection closed")
@@ -250,6 +289,7 @@ class Controller:
         """Drop what was read inside a transaction that was then lost: it may describe rows that never were."""
         self._fleet_cache = None
         self._known = set()  # re-read on the next miss
+        self._queued_tenants = None
 
     def workers(self) -> list[Worker]:
         return self.store.list_workers()
@@ -270,13 +310,18 @@ class Controller:
 
     # ---- leasing -----------------------------------------------------------------------------
 
-    def lease(self, worker_id: str, *, max_tasks: int, running: Sequence[str] = ()) -> LeaseResult:
+    def lease(
+        self, worker_id: str, *, max_tasks: int, running: Sequence[str] = (), tenant: str = ALL_TENANTS
+    ) -> LeaseResult:
         """Give the worker queued tasks that fit its free resources, routed per their `gpu` value.
 
         `running` is what the worker believes it runs: anything there that is no longer its active lease
         (cancelled, timed out, re-queued after it was thought lost) comes back in `cancel`. The reverse too:
         a task leased to it that it does not list, well after the lease was given, never reached it (the
-        answer was lost on the way) and goes back to the queue, its capacity freed.
+        answer was lost on the way) and goes back to the queue, its capacity freed. `tenant` is whom the
+        worker serves ("*": every tenant, taken in turn). A tenant at its GPU quota (`max_gpus`) or over its
+        GPU allocation rate gets no GPU now: its GPU-only tasks stay queued, the others route as if the GPUs
+        were busy.
         """
         now = self.clock()
         fleet = self._fleet()
@@ -308,23 +353,37 @@ class Controller:
         room = placement.room_of(worker, list(mine.values()))
         smallest = min((v.resources.cpu for v in worker.variants), default=0.0)
         if room.cpu + 1e-9 < smallest:
-            return LeaseResult([], cancel)  # full: nothing it offers could fit now
+            return LeaseResult([], cancel, full=True)  # nothing it offers could fit now
         workers = [w for w in fleet.values() if w.state is WorkerState.HEALTHY]
         caps = {v.capability for v in worker.variants}
         leases: list[Lease] = []
         updates = []
         cluster_cache: dict[tuple[str, str, str], ClusterView] = {}
         fleet_view: placement.Fleet | None = None  # built on the first GPU candidate only
+        gpu_use: dict[str, float] | None = None  # GPUs each tenant holds, read on the first GPU grant only
+        limits = self.settings.tenant_limits
         # look a little past what fits (not the whole window) unless the head of the queue is not for us
         slots = min(max_tasks, int((room.cpu + 1e-9) / smallest) if smallest > 0 else max_tasks)
         window = min(self.settings.lease_window, max(16, 4 * slots))
-        for task in self.store.queued_tasks(caps, limit=window, widen_to=self.settings.lease_window):
+        for task in self._queue(caps, window, tenant):
             if len(leases) >= max_tasks or room.cpu + 1e-9 < smallest:
                 break
             offered = worker.offers(task.spec.capability)
             cpu_res = placement.needs(offered.get(Device.CPU), task)
             gpu_res = placement.needs(offered.get(Device.GPU), task)
             grant = placement.try_gpu(room, gpu_res, task) if gpu_res else None
+            no_gpu = None  # why the tenant gets no GPU now, though one fits
+            share = gpu_units_of(grant, room.units) if grant is not None else 0.0
+            if grant is not None:
+                quota = limits.of(task.tenant).max_gpus
+                if quota is not None:
+                    gpu_use = self.store.gpu_use_by_tenant() if gpu_use is None else gpu_use
+                    if gpu_use.get(task.tenant, 0.0) + share > quota + 1e-9:
+                        no_gpu = f"tenant {task.tenant} holds its max_gpus {quota:g}"
+                if no_gpu is None and self.gpu_allocations.wait_s(task.tenant) > 0:
+                    no_gpu = f"tenant {task.tenant} is over its gpu_allocations_per_min"
+                if no_gpu is not None:
+                    grant = None
             offer = WorkerOffer(
                 cpu_variant=cpu_res is not None, gpu_variant=gpu_res is not None,
                 cpu_fits=cpu_res is not None and placement.fits(room, cpu_res), gpu_fits=grant is not None,
@@ -345,6 +404,8 @@ class Controller:
                     and now - (task.queued_at or task.created_at) < PLACEMENT_SETTLE_S
                 ):
                     continue  # another worker fits it better: leave it to that worker for a moment
+            if no_gpu is not None and decision.device is Device.CPU:
+                decision = Route(Device.CPU, f"{no_gpu}; {decision.reason}")
             last_error = (task.routing or {}).get("last_error") or {}
             if last_error.get("type") == "gpu_oom" and decision.device is Device.CPU:
                 decision = Route(Device.CPU, f"gpu out of memory on {', '.join((task.routing or {})['avoid_gpus'])}; "
@@ -356,7 +417,10 @@ class Controller:
             grant_dict = None
             alloc: dict[str, Any] = {"cpu": res.cpu, "memory": res.memory_bytes}
             if decision.device is Device.GPU and grant is not None:
-                room.usage = add_grant(room.usage, grant, placement.workload(task))
+                self.gpu_allocations.take(task.tenant)
+                if gpu_use is not None:
+                    gpu_use[task.tenant] = gpu_use.get(task.tenant, 0.0) + share
+                room.usage = add_grant(room.usage, grant, placement.workload(task), task.tenant)
                 grant_dict = {
                     **grant.to_dict(),
                     "unit_memory_bytes": min(u.memory_bytes for u in room.units if u.uuid in grant.uuids),
@@ -410,6 +474,29 @@ class Controller:
                 log.warning("task %s: its lease never reached worker %s; taken back", t.id, t.worker_id)
                 self._audit_release(t, now)
         return done
+
+    def _queue(self, caps: set[str], window: int, tenant: str) -> Iterator[Task]:
+        """Queued tasks a worker serving `tenant` may take: that tenant's in order, or, for a shared worker,
+        every tenant's in turn (round-robin), the tenant holding the fewest running tasks first, so a flood
+        from one tenant does not starve the others: a calm tenant's task takes the next free slot."""
+        widen = self.settings.lease_window
+        if tenant != ALL_TENANTS:
+            return self.store.queued_tasks(caps, limit=window, widen_to=widen, tenant=tenant)
+        tenants = self._tenants_queued()
+        if len(tenants) <= 1:
+            return self.store.queued_tasks(caps, limit=window, widen_to=widen)
+        self._turn += 1
+        order = fair_order(tenants, self.store.active_by_tenant(), self._turn)
+        per = max(8, window // len(order))
+        return round_robin(
+            [self.store.queued_tasks(caps, limit=per, widen_to=widen, tenant=t) for t in order]
+        )
+
+    def _tenants_queued(self) -> set[str]:
+        now = time.monotonic()
+        if self._queued_tenants is None or now - self._queued_tenants[0] > QUEUED_TENANTS_CACHE_S:
+            self._queued_tenants = (now, set(self.store.queued_tenants()))
+        return self._queued_tenants[1]
 
     def _to_stop(self, worker_id: str, stale: Sequence[str]) -> list[str]:
         """Of the tasks a worker runs that are no longer its active leases, those it must kill.
@@ -486,7 +573,7 @@ class Controller:
         updates = []
         for t, error in items:
             routing = dict(t.routing or {})
-            if error.get("type") == "gpu_oom" and t.gpus:
+            if error.get("type") in AVOID_GPU_ERRORS and t.gpus:
                 # never blindly the same GPU again: another one (whose free memory is its own), or the CPU
                 grant = GpuGrant.from_dict(t.gpus)
                 routing["avoid_gpus"] = sorted(set(routing.get("avoid_gpus", [])) | set(grant.uuids))
@@ -538,11 +625,15 @@ class Controller:
                 w.id, LIVE_WORKER_STATES, state=WorkerState.UNHEALTHY.value
             ):
                 self._fleet_cache = None
+                self.audit("worker_lost", self.worker_tenant(w.id), {"worker": w.id, "name": w.name,
+                                                                      "last_heartbeat": w.last_heartbeat,
+                                                                      "reason": "missed three heartbeats"})  # fmt: skip
                 log.warning("worker %s missed three heartbeats: unhealthy", w.name, extra={"worker_id": w.id})
                 changed = True
         by_id: dict[str, Worker] = {w.id: w for w in self.store.list_workers(include_gone=True)}
         lost: list[Task] = []
         overdue: list[Change] = []
+        overdue_tasks: list[Task] = []
         for t in self.store.active_tasks():
             holder = by_id.get(t.worker_id or "")
             if holder is None or holder.state in (WorkerState.UNHEALTHY, WorkerState.GONE):
@@ -557,12 +648,17 @@ class Controller:
                 error = {"type": "timeout", "message": f"ran longer than timeout_s={t.spec.timeout_s:g}"}
                 overdue.append((t.id, ACTIVE, t.attempts, {"state": TaskState.FAILED, "error": error,
                                                             "finished_at": now, "run_s": now - since}))  # fmt: skip
+                overdue_tasks.append(t)
         if lost:
             expired = self._requeue_lost(lost, "worker stopped heartbeating")
             self.lease_expiries += len(expired)
             changed |= bool(expired)
         if overdue:
-            changed |= bool(self.store.update_tasks(overdue))
+            timed_out = set(self.store.update_tasks(overdue))
+            for t in overdue_tasks:
+                if t.id in timed_out:
+                    self._audit_release(t, now)
+            changed |= bool(timed_out)
         changed |= self._expire_unplaceable(now, [w for w in workers if w.state is WorkerState.HEALTHY])
         return changed
 
@@ -616,19 +712,42 @@ class Controller:
     def audit(self, kind: str, tenant: str | None, body: dict[str, Any]) -> None:
         self.store.append_audit([(self.clock(), kind, tenant, body)])
 
+    def record_scrubs(self, worker_id: str, scrubs: Sequence[dict[str, Any]]) -> int:
+        """Audit the GPU scrubs a worker ran between tenants (`gpu_scrubbed`), each under the tenant scrubbed
+        away (None: unknown, the worker had just started); the tenant the GPU goes to is `next_tenant` (a
+        record's own `tenant` is its envelope's)."""
+        self._worker(worker_id)
+        now = self.clock()
+        records = []
+        for s in scrubs:
+            body = {k: v for k, v in s.items() if k != "tenant"}
+            records.append((now, "gpu_scrubbed", s.get("previous_tenant"),
+                            {**body, "next_tenant": s.get("tenant"), "worker": worker_id}))  # fmt: skip
+        self.store.append_audit(records)
+        return len(scrubs)
+
     def _audit_allocations(self, worker_id: str, leases: Sequence[Lease], now: float) -> None:
+        """One `gpu_allocated` per GPU grant; the same (task, attempt) gets exactly one `gpu_released`."""
         self.store.append_audit(
             [(now, "gpu_allocated", lease.task.tenant,
-              {"task": lease.task.id, "worker": worker_id, "gpus": list((lease.grant or {}).get("uuids", [])),
+              {"task": lease.task.id, "attempt": lease.task.attempts, "worker": worker_id,
+               "gpus": list((lease.grant or {}).get("uuids", [])),
                "memory_bytes": (lease.grant or {}).get("memory_bytes"), "start": now}) for lease in leases]
         )  # fmt: skip
 
     def _audit_release(self, task: Task, now: float) -> None:
+        """Called once per attempt that held GPUs, by whichever change ended it (its conditional update won)."""
         if task.gpus:
-            self.audit("gpu_released", task.tenant, {"task": task.id, "worker": task.worker_id,
+            start = task.leased_at
+            self.audit("gpu_released", task.tenant, {"task": task.id, "attempt": task.attempts, "worker": task.worker_id,
                                                       "gpus": list(task.gpus.get("uuids", [])),
                                                       "memory_bytes": task.gpus.get("memory_bytes"),
-                                                      "start": task.leased_at, "end": now})  # fmt: skip
+                                                      "start": start, "end": now,
+                                                      "seconds": round(now - start, 6) if start else None})  # fmt: skip
+
+
+def _audit_tenant(tenant: str) -> str | None:
+    return None if tenant == ALL_TENANTS else tenant
 
 
 def _undelivered(task: Task) -> int:

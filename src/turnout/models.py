@@ -147,7 +147,9 @@ class Task:
     unservable_since: float | None = None
     pipeline_run_id: str | None = None
     alloc: dict[str, Any] | None = None  # CPU, memory and GPU share held while leased or running
-    isolation: dict[str, Any] | None = None  # what held its processes on the worker (worker/containment.py)
+    # what held and confined its processes, as its worker reported: containment keys (worker/containment.py)
+    # and, for a sandboxed command, the sandbox's (worker/sandbox.py)
+    isolation: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -192,4 +194,4 @@ class Completion:
     error: dict[str, Any] | None = None
     run_s: float | None = None
     started_at: float | None = None
-    isolation: dict[str, Any] | None = None  # e.g. {"pdeathsig": true, "cgroup": "/sys/fs/cgroup/..."}
+    isolation: dict[str, Any] | None = None  # e.g. {"pdeathsig": true, "mode": "sandbox", ...}

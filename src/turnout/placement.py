@@ -53,7 +53,7 @@ def devices_from_dicts(gpus: Iterable[dict[str, Any]]) -> list[GpuDevice]:
 def room_of(worker: Worker, active: Sequence[Task]) -> Room:
     """What a worker has free: its capacity less what its leased and running tasks hold."""
     units = units_of(devices_from_dicts(worker.gpus), frozenset(worker.quarantined))
-    grants = [(GpuGrant.from_dict(t.gpus), workload(t)) for t in active if t.gpus]
+    grants = [(GpuGrant.from_dict(t.gpus), workload(t), t.tenant) for t in active if t.gpus]
     cpu = worker.cpu - sum(float((t.alloc or {}).get("cpu", 0)) for t in active)
     memory = worker.memory_bytes - sum(int((t.alloc or {}).get("memory", 0)) for t in active)
     return Room(cpu, memory, units, usage_from_grants(grants), strategy_of(worker.strategy))
@@ -63,8 +63,8 @@ def try_gpu(room: Room, res: Resources, task: Task) -> GpuGrant | None:
     """GPUs on this worker for `res` now, chosen by the worker's strategy; None if none fit."""
     if not fits(room, res) or not room.units:
         return None
-    return allocate(GpuRequest.from_resources(res, workload(task)), usable(room.units, task), room.usage,
-                    room.strategy)  # fmt: skip
+    return allocate(GpuRequest.from_resources(res, workload(task), task.tenant), usable(room.units, task),
+                    room.usage, room.strategy)  # fmt: skip
 
 
 def cluster_view(workers: Sequence[Worker], task: Task) -> ClusterView:
@@ -115,9 +115,10 @@ class Fleet:
         """The worker the policy picks for this task now (None: none can host it now)."""
         if (task.routing or {}).get("avoid_gpus"):
             return None  # an OOM retry goes wherever it fits; the policy does not know about avoided GPUs
-        request = GpuRequest.from_resources(res, workload(task))
-        if self.index is None:
-            policy = make_policy(self.policy, mix=typical_mix([*self.running, request, WHOLE_GPU]))
+        request = GpuRequest.from_resources(res, workload(task), task.tenant)
+        if self.index is None:  # the typical mix is about shapes, not owners
+            mix = typical_mix([*self.running, replace(request, tenant=None), WHOLE_GPU])
+            policy = make_policy(self.policy, mix=mix)
             self.index = PlacementIndex(policy)
             for worker_id, room in self.rooms.items():
                 self.index.upsert(worker_id, room.units, room.usage, Host(room.cpu, room.memory_bytes))

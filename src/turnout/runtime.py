@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,12 +20,14 @@ from types import FrameType
 import httpx
 
 from turnout import logs
+from turnout.access import ALL_TENANTS
 from turnout.api.app import create_app
 from turnout.api.service import Service
 from turnout.auth import TokenBook, hash_token, write_admin_token
 from turnout.config import controller_settings
 from turnout.controller import Controller
 from turnout.errors import InvalidInput
+from turnout.models import Role
 from turnout.store import open_store
 
 log = logging.getLogger("turnout")
@@ -72,15 +75,18 @@ def build_controller(
 
 
 def _admin_token(store: object, tokens: TokenBook, home: Path, fresh: bool) -> str | None:
-    """Reuse the token in $TURNOUT_HOME/admin.token when it is valid here; else make one (if asked, or none exist)."""
+    """The operator's token: reuse the one in $TURNOUT_HOME/admin.token when it is valid here; else make one
+    (if asked, or none exist). The operator is an admin of every tenant (`"*"`), apart from tenants' admins."""
     path = home / "admin.token"
     if path.exists():
         existing = path.read_text().strip()
         row = tokens.store.find_token(hash_token(existing))
-        if row and row["revoked_at"] is None and row["role"] == "admin":
+        if row and row["revoked_at"] is None and row["role"] == "admin" and row["tenant"] == ALL_TENANTS:
             return existing
     if fresh or tokens.store.count_tokens() == 0:
-        _, token = tokens.create("admin", "default")
+        token_id, token = tokens.create(Role.ADMIN, ALL_TENANTS)
+        tokens.store.append_audit([(time.time(), "token_created", None,
+                                    {"token": token_id, "role": "admin", "token_tenant": ALL_TENANTS, "by": "turnout"})])  # fmt: skip
         write_admin_token(home, token)
         return token
     return None

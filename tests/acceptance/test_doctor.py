@@ -52,7 +52,7 @@ def test_doctor_passes_a_fake_gpu_host_and_reports_provider_driver_cuda_and_mig(
     assert found["token"] == {
         "name": "token",
         "status": "ok",
-        "detail": "a worker token of tenant default",
+        "detail": "a worker token: this worker will serve tenant default's tasks only",
         "fix": "",
     }
     assert found["clock"]["status"] == "ok"  # the same host's clock

@@ -46,7 +46,7 @@ def work_gpu(ctx: Context, data: dict[str, Any]) -> dict[str, Any]:
 
 @app.capability("gpuonly", gpu=1, cpu=0.1)
 def gpu_only(ctx: Context, data: Any) -> dict[str, Any]:
-    return {"device": ctx.device}
+    return {"device": ctx.device, "pid": os.getpid()}
 
 
 @app.capability("spawn", cpu=0.1)

@@ -321,5 +321,6 @@ def test_with_containment_off_a_timeout_still_kills_the_process_group(cluster: C
         "pdeathsig": False,
         "pid_namespace": False,
         "cgroup": None,
+        "mode": "none",  # the preset's own isolation: no sandbox
     }
     assert len(plain) == 1 and wait_gone(plain) == []

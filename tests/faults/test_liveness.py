@@ -161,17 +161,21 @@ def test_a_lease_whose_answer_never_reached_its_worker_returns_to_the_queue(
     variant = {"capability": "logged_sleep", "device": "cpu", "resources": {"cpu": 0.1}}
     body = {"name": "lossy", "host": "h", "cpu": 1, "memory": 2**30, "heartbeat_s": cluster.heartbeat_s,
             "variants": [variant]}  # fmt: skip
-    lossy = cluster.api("POST", "/v1/workers/register", json=body).json()["id"]
+    registered = cluster.api("POST", "/v1/workers/register", json=body).json()
+    lossy, me = registered["id"], {"X-Worker-Secret": registered["secret"]}
     task = cluster.submit("logged_sleep", {"log": str(log)}, max_retries=0)
-    lost = cluster.api("POST", f"/v1/workers/{lossy}/lease", json={"max_tasks": 1, "wait_s": 5}).json()
+    lost = cluster.api(
+        "POST", f"/v1/workers/{lossy}/lease", json={"max_tasks": 1, "wait_s": 5}, headers=me
+    ).json()
     lost_at = time.monotonic()
     assert [t["id"] for t in lost["tasks"]] == [task["id"]]  # the answer that is thrown away
     assert task_state(cluster, task["id"])["state"] == "leased"
 
     # When the stand-in goes on heartbeating and asking, without the task among those it holds
     def stand_in_reports() -> bool:
-        cluster.api("POST", f"/v1/workers/{lossy}/heartbeat", json={})
-        cluster.api("POST", f"/v1/workers/{lossy}/lease", json={"max_tasks": 0, "wait_s": 0, "running": []})
+        cluster.api("POST", f"/v1/workers/{lossy}/heartbeat", json={}, headers=me)
+        cluster.api("POST", f"/v1/workers/{lossy}/lease", json={"max_tasks": 0, "wait_s": 0, "running": []},
+                    headers=me)  # fmt: skip
         return task_state(cluster, task["id"])["state"] == "queued"
 
     # Then the task goes back to the queue (the stand-in stays healthy), and a real worker runs it once,
@@ -192,12 +196,15 @@ def test_a_lease_whose_answer_never_reached_its_worker_returns_to_the_queue(
 
 def test_a_lifeline_is_held_open_for_a_registered_worker_and_refused_once_it_left(cluster: Cluster) -> None:
     body = {"name": "held", "host": "h", "cpu": 1, "memory": 2**30, "variants": []}
-    worker_id = cluster.api("POST", "/v1/workers/register", json=body).json()["id"]
-    headers = {"Authorization": f"Bearer {cluster.token}"}
+    registered = cluster.api("POST", "/v1/workers/register", json=body).json()
+    worker_id, me = registered["id"], {"X-Worker-Secret": registered["secret"]}
+    headers = {"Authorization": f"Bearer {cluster.token}", **me}
     url = f"{cluster.url}/v1/workers/{worker_id}/lifeline"
     with httpx.stream("GET", url, headers=headers, timeout=10) as resp:
         assert resp.status_code == 200 and "content-length" not in resp.headers
         assert next(resp.iter_raw()) == b"."  # a ping; the response has no end of its own
-    assert cluster.api("POST", f"/v1/workers/{worker_id}/leave").status_code == 200
+    with httpx.stream("GET", url, headers={"Authorization": f"Bearer {cluster.token}"}, timeout=10) as resp:
+        assert resp.status_code == 403  # the worker itself holds its lifeline: its token and its secret
+    assert cluster.api("POST", f"/v1/workers/{worker_id}/leave", headers=me).status_code == 200
     with httpx.stream("GET", url, headers=headers, timeout=10) as resp:
         assert resp.status_code == 404

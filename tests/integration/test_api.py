@@ -152,14 +152,16 @@ def test_capabilities_and_workers_list_variants_and_gpus(api: Cluster) -> None:
 
 
 def test_malformed_worker_events_are_422_naming_the_event(api: Cluster) -> None:
-    worker = next(w for w in api.api("GET", "/v1/workers").json()["workers"] if w["name"] == "api-worker")
+    reg = api.api("POST", "/v1/workers/register", json={"name": "events-probe", "host": "h", "variants": [],
+                                                       "cpu": 1, "memory": 0}).json()  # fmt: skip
+    me = {"Authorization": f"Bearer {api.token}", "X-Worker-Secret": reg["secret"]}
     bad = {
         "events": [
             {"task_id": "t_x", "attempt": 1, "event": {"event": "log"}},
             {"task_id": "t_x", "attempt": 0, "event": {}},
         ]
     }
-    resp = api.api("POST", f"/v1/workers/{worker['id']}/events", json=bad)
+    resp = httpx.post(f"{api.url}/v1/workers/{reg['id']}/events", json=bad, headers=me)
     assert resp.status_code == 422
     assert resp.json()["error"]["field"] == "events.1"
-    assert api.api("POST", f"/v1/workers/{worker['id']}/events", content=b"[").status_code == 422
+    assert httpx.post(f"{api.url}/v1/workers/{reg['id']}/events", content=b"[", headers=me).status_code == 422

@@ -26,19 +26,20 @@ def api(shared_cluster: Cluster) -> Cluster:
     return shared_cluster
 
 
-def post_raw(api: Cluster, path: str, body: bytes) -> httpx.Response:
+def post_raw(api: Cluster, path: str, body: bytes, headers: dict[str, str] | None = None) -> httpx.Response:
     """POST bytes as written: the JSON libraries refuse to write what these tests send."""
-    headers = {"Authorization": f"Bearer {api.token}", "Content-Type": "application/json"}
+    headers = {"Authorization": f"Bearer {api.token}", "Content-Type": "application/json", **(headers or {})}
     return httpx.post(f"{api.url}{path}", content=body, headers=headers, timeout=60)
 
 
-def fake_worker(api: Cluster, capability: str) -> str:
-    """A worker registered over HTTP only (no process): enough to post events and results as one."""
+def fake_worker(api: Cluster, capability: str) -> tuple[str, dict[str, str]]:
+    """A worker registered over HTTP only (no process), enough to post events and results as one: its id, and
+    the header that proves it is that worker."""
     body = {"name": f"fake-{capability}", "host": "nowhere", "cpu": 1, "memory": 2**30,
             "variants": [{"capability": capability, "device": "cpu", "resources": {"cpu": 1}}]}  # fmt: skip
     resp = api.api("POST", "/v1/workers/register", json=body)
     assert resp.status_code == 201, resp.text
-    return str(resp.json()["id"])
+    return str(resp.json()["id"]), {"X-Worker-Secret": resp.json()["secret"]}
 
 
 def task_count(api: Cluster) -> int:
@@ -98,12 +99,12 @@ def test_bodies_that_are_not_utf8_json_are_422s(api: Cluster) -> None:
 
 
 def test_worker_events_and_results_holding_nan_are_422_naming_the_field(api: Cluster) -> None:
-    worker_id = fake_worker(api, "nan-reports")
+    worker_id, me = fake_worker(api, "nan-reports")
     events = rb'{"events": [{"task_id": "t_x", "attempt": 1, "event": {"event": "progress", "done": NaN}}]}'
-    resp = post_raw(api, f"/v1/workers/{worker_id}/events", events)
+    resp = post_raw(api, f"/v1/workers/{worker_id}/events", events, me)
     assert (resp.status_code, resp.json()["error"]["field"]) == (422, "events.0.event.done")
     results = rb'{"results": [{"task_id": "t_x", "attempt": 1, "status": "succeeded", "output": {"score": Infinity}}]}'
-    resp = post_raw(api, f"/v1/workers/{worker_id}/complete", results)
+    resp = post_raw(api, f"/v1/workers/{worker_id}/complete", results, me)
     assert (resp.status_code, resp.json()["error"]["field"]) == (422, "results.0.output.score")
 
 
@@ -140,9 +141,9 @@ def test_too_many_labels_or_a_long_label_is_413_naming_the_limit(api: Cluster) -
 
 
 def test_an_event_batch_over_max_events_per_request_is_413(api: Cluster) -> None:
-    worker_id = fake_worker(api, "chatty")
+    worker_id, me = fake_worker(api, "chatty")
     items = [{"task_id": "t_x", "attempt": 1, "event": {"event": "log"}}] * 10_001
-    resp = api.api("POST", f"/v1/workers/{worker_id}/events", json={"events": items})
+    resp = api.api("POST", f"/v1/workers/{worker_id}/events", json={"events": items}, headers=me)
     assert (resp.status_code, resp.json()["error"]["field"]) == (413, "events")
     assert "limit 10000 (max_events_per_request)" in resp.json()["error"]["message"]
 
@@ -284,8 +285,8 @@ def test_setting_placement_timeout_s_queues_a_capability_for_workers_yet_to_come
 
 
 def test_a_capability_stays_known_after_its_last_worker_left(api: Cluster) -> None:
-    worker_id = fake_worker(api, "scaled-to-zero")
-    assert api.api("POST", f"/v1/workers/{worker_id}/leave").status_code == 200
+    worker_id, me = fake_worker(api, "scaled-to-zero")
+    assert api.api("POST", f"/v1/workers/{worker_id}/leave", headers=me).status_code == 200
     resp = api.api("POST", "/v1/tasks", json={"capability": "scaled-to-zero", "input": {}})
     assert resp.status_code == 201
     assert resp.json()["state"] == "queued"
@@ -305,7 +306,8 @@ def ids(api: Cluster) -> dict[str, str]:
     """A worker registered over HTTP and a finished task, to aim requests past a 404."""
     task = api.submit("count", {"n": 1}, placement_timeout_s=600)
     api.api("POST", f"/v1/tasks/{task['id']}/cancel")
-    return {"worker": fake_worker(api, "aim"), "task": task["id"]}
+    worker_id, me = fake_worker(api, "aim")
+    return {"worker": worker_id, "task": task["id"], "secret": me["X-Worker-Secret"]}
 
 
 GPU = {"index": 0, "uuid": "GPU-1", "name": "X", "memory_total_bytes": 2**30}
@@ -349,6 +351,8 @@ def test_requests_that_once_answered_500_are_422_naming_the_field(
     api: Cluster, ids: dict[str, str], method: str, path: str, kwargs: dict[str, Any], field: str
 ) -> None:
     headers = {"Authorization": f"Bearer {api.token}", **kwargs.pop("headers", {})}
+    if "{worker}" in path:  # the worker itself: its token and its secret
+        headers["X-Worker-Secret"] = ids["secret"]
     resp = httpx.request(method, f"{api.url}{path.format(**ids)}", headers=headers, timeout=60, **kwargs)
     assert resp.status_code == 422, resp.text
     assert resp.json()["error"]["field"] == field

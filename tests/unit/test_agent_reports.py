@@ -41,6 +41,9 @@ class Scripted(ProtocolProcess):
         return Outcome(True, output=output)
 
 
+SECRET = "tws_stand-in"
+
+
 def refuses(item: Any) -> bool:
     return isinstance(item, dict) and bool(item.get("refuse"))
 
@@ -56,11 +59,18 @@ class StandIn:
         self.events: list[dict[str, Any]] = []
         self.refusals = 0
         self.left = False
+        self.unproven: list[str] = []  # worker calls that came without the secret registration answered
+        self.seen_lifeline = 0
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
         if path == "/v1/workers/register":
-            return httpx.Response(200, json={"id": "w1"})
+            return httpx.Response(200, json={"id": "w1", "secret": SECRET})
+        if path.endswith("/lifeline"):
+            self.seen_lifeline += 1
+        if request.headers.get("X-Worker-Secret") != SECRET:  # every call as the worker carries its secret
+            self.unproven.append(path)
+            return httpx.Response(403, json={"error": {"type": "forbidden", "message": "not worker w1"}})
         if path.endswith("/lease"):
             if not self.queue:
                 await asyncio.sleep(0.02)  # a long poll, shortened
@@ -119,6 +129,12 @@ def test_a_result_the_controller_refuses_becomes_a_failure_and_later_results_sti
     assert [stand_in.results[t]["output"] for t in ("t1", "t2")] == [{"n": 2}, {"n": 3}]
     assert stand_in.refusals <= 3  # refused once per batch it was in, never again
     assert stand_in.left
+
+
+def test_every_call_as_the_worker_carries_the_secret_its_registration_answered() -> None:
+    stand_in = serve([{"output": {"n": 1}}], lambda s: len(s.results) == 1 and bool(s.seen_lifeline))
+    assert stand_in.seen_lifeline  # the held connection too: the controller judges the worker by it
+    assert stand_in.unproven == []
 
 
 def test_a_refused_event_is_dropped_and_fails_its_task_while_its_other_events_arrive() -> None:

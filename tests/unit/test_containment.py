@@ -210,3 +210,19 @@ def _running(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_a_process_keeps_the_isolation_its_maker_recorded_beside_what_containment_applied() -> None:
+    """A sandbox (or a container) records its keys before start; containment's are added at start, and a key
+    both know (`pid_namespace`) is the maker's, which describes the program itself."""
+    contain = Containment(containment.NOTHING, frozenset())
+
+    async def scenario() -> dict[str, object] | None:
+        proc = ProtocolProcess([sys.executable, "-c", "pass"], dict(os.environ), contain=contain)
+        proc.isolation = {"mode": "sandbox", "pid_namespace": True, "network": False}
+        await proc.start()
+        await proc.close()
+        return proc.isolation
+
+    assert asyncio.run(scenario()) == {"process_group": True, "pdeathsig": False, "pid_namespace": True,
+                                       "cgroup": None, "mode": "sandbox", "network": False}  # fmt: skip

@@ -71,3 +71,28 @@ def test_a_completion_may_carry_isolation_and_need_not() -> None:
     )
     assert with_it.isolation == ISOLATION
     assert ResultIn.model_validate({"task_id": "t", "attempt": 1, "status": "failed"}).isolation is None
+
+
+def test_a_database_that_numbered_the_column_6_takes_3_as_a_no_op_and_gains_the_rest(tmp_path: Path) -> None:
+    """The sandbox work first added `isolation` as migration 6: such a database keeps its column and its tasks."""
+    path = tmp_path / "sandbox-branch.sqlite"
+    store = open_store(f"sqlite:///{path}")
+    store.insert_tasks([a_task()])
+    store.update_tasks([("t_1", [TaskState.QUEUED], None, {"isolation": ISOLATION})])
+    store.close()
+    engine = sa.create_engine(f"sqlite:///{path}")
+    with engine.begin() as conn:  # as that build left it: 1, 2 and 6, no capabilities table
+        conn.execute(sa.text("DROP TABLE capabilities"))
+        conn.execute(sa.text("DELETE FROM schema_migrations WHERE version NOT IN (1, 2, 6)"))
+    engine.dispose()
+
+    store = open_store(f"sqlite:///{path}")
+    try:
+        assert store.schema_version == 6
+        task = store.get_task("t_1")
+        assert task is not None and task.isolation == ISOLATION
+        with store.engine.connect() as conn:
+            assert {r[0] for r in conn.execute(sa.text("SELECT version FROM schema_migrations"))} >= {3, 4, 6}
+            assert conn.execute(sa.text("SELECT COUNT(*) FROM capabilities")).scalar() == 0
+    finally:
+        store.close()

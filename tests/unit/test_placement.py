@@ -17,10 +17,10 @@ def worker(wid: str, gpus: int = 1, gpu_mem: int = 24, variants: tuple[Variant, 
                   heartbeat_s=5.0)  # fmt: skip
 
 
-def task(tid: str, cap: str = "c", **fields: object) -> Task:
+def task(tid: str, cap: str = "c", tenant: str = "t", **fields: object) -> Task:
     spec = TaskSpec(capability=cap, input=None, gpu=GpuMode.PREFER)
     fields.setdefault("state", TaskState.QUEUED)
-    return Task(id=tid, tenant="t", spec=spec, created_at=0.0, **fields)  # type: ignore[arg-type]
+    return Task(id=tid, tenant=tenant, spec=spec, created_at=0.0, **fields)  # type: ignore[arg-type]
 
 
 SHARE = Variant("c", Device.GPU, parse_resources({"gpu_memory": "4Gi", "cpu": 1}))
@@ -60,3 +60,26 @@ def test_the_fleet_packs_a_share_next_to_a_running_share() -> None:
                          "model": "Fake GPU"})  # fmt: skip
     fleet = placement.Fleet("fgd", [a, b], {"b": [running]})
     assert fleet.best(SHARE.resources, task("new")) == "b"
+
+
+def share_of(wid: str, tenant: str, tid: str = "t1") -> Task:
+    return task(tid, tenant=tenant, state=TaskState.RUNNING, worker_id=wid, device=Device.GPU,
+                alloc={"cpu": 1, "memory": 0},
+                gpus={"uuids": [f"GPU-{wid}-0"], "indices": [0], "memory_bytes": 4 * GiB, "exclusive": False,
+                      "model": "Fake GPU"})  # fmt: skip
+
+
+def test_another_tenants_share_waits_while_a_gpu_holds_one_tenants_shares() -> None:
+    w = worker("a", variants=(SHARE,))
+    room = placement.room_of(w, [share_of("a", "acme")])
+    assert room.usage["GPU-a-0"].tenants == frozenset({"acme"})
+    assert placement.try_gpu(room, SHARE.resources, task("x", tenant="globex")) is None
+    grant = placement.try_gpu(room, SHARE.resources, task("y", tenant="acme"))
+    assert grant is not None and grant.uuids == ("GPU-a-0",)
+
+
+def test_the_fleet_sends_another_tenants_share_to_a_gpu_of_its_own() -> None:
+    a, b = worker("a", variants=(SHARE,)), worker("b", variants=(SHARE,))
+    fleet = placement.Fleet("fgd", [a, b], {"b": [share_of("b", "acme")]})
+    assert fleet.best(SHARE.resources, task("same", tenant="acme")) == "b"  # packs beside its own tenant
+    assert fleet.best(SHARE.resources, task("other", tenant="globex")) == "a"

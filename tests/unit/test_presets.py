@@ -12,8 +12,10 @@ import pytest
 
 from turnout.errors import InvalidInput
 from turnout.models import Device
+from turnout.worker import presets as presets_module
 from turnout.worker.presets import Mode, child_env, load_presets, parse_presets, preset_runnables
 from turnout.worker.processes import OneOffPool, ProcessPool, RefusedProcess
+from turnout.worker.sandbox import Isolation
 
 GOOD = {
     "models": {
@@ -74,6 +76,10 @@ def test_a_valid_file_serves_each_model_with_an_inference_section_as_a_capabilit
         (with_inference(env_vars={"NESTED": {"a": 1}}), "models.llama.inference.env_vars.NESTED"),
         (with_inference(min_processes=2), "models.llama.inference.min_processes"),
         (with_inference(comand=["typo"]), "models.llama.inference.comand"),
+        (with_inference(isolation="jail"), "models.llama.inference.isolation"),
+        (with_inference(isolation=True), "models.llama.inference.isolation"),
+        (with_inference(network="no"), "models.llama.inference.network"),
+        (with_inference(isolation="none", network=False), "models.llama.inference.network"),
         ({"models": {"llama": {"inference": ["python"]}}}, "models.llama.inference"),
         ({"models": {"Llama!": {"inference": {"command": ["x"]}}}}, "models.Llama!"),
         ({"models": {"trainer": {"training": {}}}}, "models"),
@@ -195,3 +201,39 @@ def test_a_one_off_process_reads_its_input_to_eof_and_a_missing_command_fails_cl
     assert asyncio.run(one(cat, {"a": [1, 2]})).output == {"a": [1, 2]}
     failed = asyncio.run(one(ghost, {}))
     assert failed.error["exit_code"] == 127 and "/no/such/program" in failed.error["message"]
+
+
+def test_isolation_and_network_are_read_and_unsaid_ones_stay_unset() -> None:
+    sandboxed = parse_presets(with_inference(isolation="sandbox", network=True))[0]
+    unsaid = parse_presets(with_inference())[0]
+    assert (sandboxed.isolation, sandboxed.network) == (Isolation.SANDBOX, True)
+    assert (unsaid.isolation, unsaid.network) == (None, None)
+
+
+def test_a_preset_that_cuts_the_network_on_a_worker_without_sandbox_is_refused_naming_key_and_file(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "presets.yaml"
+    path.write_text(json.dumps(with_inference(network=False)))
+    with pytest.raises(InvalidInput) as err:
+        preset_runnables(path, {}, engine_answers=lambda: False)
+    assert err.value.field == "models.llama.inference.network"
+    assert str(path) in err.value.message
+
+
+def test_a_sandboxed_preset_where_no_sandbox_can_start_fails_its_tasks_instead_of_running_unsandboxed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(presets_module, "find_bwrap", lambda: "no bubblewrap here (test)")
+    path = tmp_path / "presets.yaml"
+    path.write_text(json.dumps(with_inference(isolation="sandbox")))
+    (runnable,) = preset_runnables(path, {}, engine_answers=lambda: False)
+
+    async def run_one() -> Any:
+        proc = await runnable.pool.acquire((), "t_1")
+        return await proc.run("{}", lambda e: None, 5)
+
+    outcome = asyncio.run(run_one())
+    assert not outcome.succeeded
+    assert outcome.error["type"] == "sandbox_unavailable"
+    assert "no bubblewrap here (test)" in outcome.error["message"]

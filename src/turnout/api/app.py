@@ -10,9 +10,19 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI, Header, Query, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
 from turnout import __version__
+from turnout.access import (
+    ALL_TENANTS,
+    ANONYMOUS_OPERATOR,
+    Action,
+    Principal,
+    allow,
+    check_tenant_name,
+    sees,
+    worker_serves,
+)
 from turnout.api import dashboard, errors, lifeline
 from turnout.api import metrics as prometheus
 from turnout.api.limits import BodyLimit
@@ -23,6 +33,7 @@ from turnout.api.schemas import (
     HeartbeatIn,
     LeaseIn,
     RegisterIn,
+    ScrubsIn,
     TaskBatchIn,
     TaskIn,
     TokenIn,
@@ -33,9 +44,11 @@ from turnout.api.schemas import (
 )
 from turnout.api.service import POLL_S, Service, Signal
 from turnout.api.strictjson import StrictJsonRoute, json_body
-from turnout.auth import ANONYMOUS_ADMIN, Principal
-from turnout.errors import InvalidInput
-from turnout.models import Completion, Device, Role, Task, TaskState, Variant, check_capability_name
+from turnout.auth import WorkerCredential
+from turnout.auth import check as check_worker
+from turnout.controller import AUDIT_KINDS, new_id
+from turnout.errors import Forbidden, InvalidInput, NotFound
+from turnout.models import Completion, Device, Task, TaskState, Variant, check_capability_name
 from turnout.resources import parse_resources
 
 
@@ -48,7 +61,9 @@ def create_app(service: Service) -> FastAPI:
         finally:
             await service.stop()
 
-    app = FastAPI(title="Turnout", version=__version__, lifespan=lifespan)
+    # the API docs are served below, behind a token (they describe every route, worker protocol included)
+    app = FastAPI(title="Turnout", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)  # fmt: skip
     app.router.route_class = StrictJsonRoute  # every JSON body below is parsed strictly (api/strictjson.py)
     errors.install(app)
     ctrl = service.controller
@@ -56,20 +71,60 @@ def create_app(service: Service) -> FastAPI:
     app.add_middleware(BodyLimit, limits=limits)
     metrics = prometheus.Metrics(ctrl)
 
-    def need(kind: str) -> Any:
+    async def principal_of(authorization: str | None) -> Principal:
+        if not service.auth:
+            return ANONYMOUS_OPERATOR
+        cached = service.tokens.cached(authorization)  # the hot path: no database, no thread hop
+        if cached is not None:
+            return cached
+        return await service.read(service.tokens.verify, authorization)
+
+    def need(action: Action) -> Any:
+        """Every route but /healthz and /metrics declares the one action it needs."""
+
         async def check(authorization: str | None = Header(None)) -> Principal:
-            if not service.auth:
-                return ANONYMOUS_ADMIN
-            cached = service.tokens.cached(authorization, kind)  # the hot path: no database, no thread hop
-            if cached is not None:
-                return cached
-            return await service.read(service.tokens.verify, authorization, kind)
+            return allow(await principal_of(authorization), action)
+
+        return Depends(check)
+
+    def this_worker() -> Any:
+        """Worker routes: the caller must be the worker in the URL (its token and its secret); else 403."""
+
+        async def check(
+            worker_id: str,
+            authorization: str | None = Header(None),
+            x_worker_secret: str | None = Header(
+                None, description="the secret /v1/workers/register answered"
+            ),
+        ) -> WorkerCredential:
+            p = allow(await principal_of(authorization), Action.WORKER)
+            cred = service.workers.cached(worker_id) or await service.read(service.workers.lookup, worker_id)
+            return check_worker(cred, p, x_worker_secret)
 
         return Depends(check)
 
     def scope(p: Principal) -> str | None:
-        """The tenant whose tasks this caller sees; None = all (the default tenant's admin)."""
-        return None if p.role is Role.ADMIN and p.tenant == "default" else p.tenant
+        """The tenant whose tasks this caller sees; None = all (the operator, a cluster-wide read token)."""
+        return p.scope
+
+    async def visible_workers(p: Principal) -> set[str] | None:
+        """Ids of the workers this caller sees (its tenant's and the shared pool); None = all."""
+        if p.scope is None:
+            return None
+        tenants = await service.read(ctrl.store.worker_tenants)
+        return {w for w, serves in tenants.items() if worker_serves(serves, p.scope)}
+
+    # ---- API docs ------------------------------------------------------------------------------
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi_doc(p: Principal = need(Action.ANY)) -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(p: Principal = need(Action.ANY)) -> HTMLResponse:
+        # the document is inlined: the page's own fetch of /openapi.json would carry no token
+        spec = json.dumps(app.openapi()).replace("</", "<\\/")
+        return HTMLResponse(_SWAGGER_PAGE.replace("SPEC", spec))
 
     # ---- health --------------------------------------------------------------------------------
 
@@ -80,15 +135,19 @@ def create_app(service: Service) -> FastAPI:
     # ---- tasks ---------------------------------------------------------------------------------
 
     @app.post("/v1/tasks", status_code=201)
-    async def submit(body: TaskIn, p: Principal = need("submit")) -> dict[str, Any]:
-        tasks = await service.call(ctrl.submit, p.tenant, [body.to_spec(limits)],
+    async def submit(body: TaskIn, p: Principal = need(Action.SUBMIT)) -> dict[str, Any]:
+        specs = [body.to_spec(limits)]
+        service.admit(p.home_tenant, specs)  # a 429 before the database: a flood costs the others nothing
+        tasks = await service.call(ctrl.submit, p.home_tenant, specs,
                                    waits_for_capacity=[body.waits_for_capacity])  # fmt: skip
         service.queue_changed.notify()
         return task_out(tasks[0])
 
     @app.post("/v1/tasks/batch", status_code=201)
-    async def submit_batch(body: TaskBatchIn, p: Principal = need("submit")) -> dict[str, Any]:
-        tasks = await service.call(ctrl.submit, p.tenant, body.to_specs(limits),
+    async def submit_batch(body: TaskBatchIn, p: Principal = need(Action.SUBMIT)) -> dict[str, Any]:
+        specs = body.to_specs(limits)
+        service.admit(p.home_tenant, specs)
+        tasks = await service.call(ctrl.submit, p.home_tenant, specs,
                                    prefixes=[f"tasks.{i}." for i in range(len(body.tasks))],
                                    waits_for_capacity=[t.waits_for_capacity for t in body.tasks])  # fmt: skip
         service.queue_changed.notify()
@@ -100,7 +159,7 @@ def create_app(service: Service) -> FastAPI:
         capability: str | None = None,
         limit: int = Query(50, ge=1, le=1000),
         cursor: str | None = None,
-        p: Principal = need("read"),
+        p: Principal = need(Action.READ),
     ) -> dict[str, Any]:
         if state is not None and state not in {s.value for s in TaskState}:
             raise InvalidInput(f"state: {state!r} is not a task state", field="state")
@@ -112,12 +171,12 @@ def create_app(service: Service) -> FastAPI:
         }
 
     @app.get("/v1/tasks/{task_id}")
-    async def get_task(task_id: str, p: Principal = need("read")) -> dict[str, Any]:
+    async def get_task(task_id: str, p: Principal = need(Action.READ)) -> dict[str, Any]:
         return task_out(await service.read(ctrl.get_task, scope(p), task_id))
 
     @app.get("/v1/tasks/{task_id}/result")
     async def get_result(
-        task_id: str, wait: float = Query(0, ge=0, le=3600), p: Principal = need("read")
+        task_id: str, wait: float = Query(0, ge=0, le=3600), p: Principal = need(Action.READ)
     ) -> dict[str, Any]:
         deadline = time.monotonic() + wait
         while True:
@@ -129,8 +188,8 @@ def create_app(service: Service) -> FastAPI:
             await Signal.wait(signal, min(left, POLL_S))
 
     @app.post("/v1/tasks/{task_id}/cancel")
-    async def cancel(task_id: str, p: Principal = need("submit")) -> dict[str, Any]:
-        task = await service.call(ctrl.cancel, scope(p), task_id)
+    async def cancel(task_id: str, p: Principal = need(Action.SUBMIT)) -> dict[str, Any]:
+        task = await service.call(ctrl.cancel, scope(p), task_id, by=p.token_id)
         service.changed()
         return task_out(task)
 
@@ -140,7 +199,7 @@ def create_app(service: Service) -> FastAPI:
         task_id: str,
         after: int = Query(0, ge=0, le=MAX_INT32),
         last_event_id: str | None = Header(None),
-        p: Principal = need("read"),
+        p: Principal = need(Action.READ),
     ) -> StreamingResponse:
         await service.read(ctrl.get_task, scope(p), task_id)  # 404 before the stream starts
         start = after
@@ -194,9 +253,10 @@ def create_app(service: Service) -> FastAPI:
     # ---- capabilities and workers --------------------------------------------------------------
 
     @app.get("/v1/capabilities")
-    async def capabilities(p: Principal = need("read")) -> dict[str, Any]:
-        workers = await service.read(ctrl.workers)
-        depths = await service.read(ctrl.store.queue_depths)
+    async def capabilities(p: Principal = need(Action.READ)) -> dict[str, Any]:
+        seen = await visible_workers(p)
+        workers = [w for w in await service.read(ctrl.workers) if seen is None or w.id in seen]
+        depths = await service.read(ctrl.store.queue_depths, scope(p))
         caps: dict[str, dict[str, Any]] = {}
         for w in workers:
             for v in w.variants:
@@ -217,22 +277,36 @@ def create_app(service: Service) -> FastAPI:
         return {"capabilities": out}
 
     @app.get("/v1/workers")
-    async def workers(p: Principal = need("read")) -> dict[str, Any]:
-        ws = await service.read(ctrl.workers)
+    async def workers(p: Principal = need(Action.READ)) -> dict[str, Any]:
+        seen = await visible_workers(p)
+        ws = [w for w in await service.read(ctrl.workers) if seen is None or w.id in seen]
         active = await service.read(ctrl.store.active_tasks)
         counts: dict[str, int] = {}
         for t in active:
-            counts[t.worker_id or ""] = counts.get(t.worker_id or "", 0) + 1
+            if sees(p, t.tenant):  # a shared worker's load from other tenants is theirs to know
+                counts[t.worker_id or ""] = counts.get(t.worker_id or "", 0) + 1
         return {"workers": [worker_out(w, counts.get(w.id, 0)) for w in ws]}
 
     @app.post("/v1/workers/{worker_id}/drain")
-    async def drain(worker_id: str, p: Principal = need("admin")) -> dict[str, Any]:
-        return worker_out(await service.call(ctrl.drain, worker_id))
+    async def drain(worker_id: str, p: Principal = need(Action.ADMIN)) -> dict[str, Any]:
+        if not p.is_operator:
+            cred = await service.read(service.workers.lookup, worker_id)
+            if cred is None or cred.tenant not in (ALL_TENANTS, p.tenant):
+                raise NotFound(f"worker {worker_id} not found", field="worker")
+            if cred.tenant == ALL_TENANTS:
+                raise Forbidden("a shared worker (serving every tenant) is drained by the operator only")
+        return worker_out(await service.call(ctrl.drain, worker_id, by=p.token_id))
 
     # ---- worker protocol -----------------------------------------------------------------------
 
     @app.post("/v1/workers/register", status_code=201)
-    async def register(body: RegisterIn, p: Principal = need("worker")) -> dict[str, Any]:
+    async def register(
+        body: RegisterIn,
+        p: Principal = need(Action.WORKER),
+        x_worker_secret: str | None = Header(
+            None, description="registering again: the secret answered before"
+        ),
+    ) -> dict[str, Any]:
         variants = []
         for i, v in enumerate(body.variants):
             check_capability_name(v.capability, f"variants.{i}.capability")
@@ -241,18 +315,25 @@ def create_app(service: Service) -> FastAPI:
                     v.capability, Device(v.device), parse_resources(v.resources, f"variants.{i}.resources")
                 )
             )
-        worker = await service.call(
-            ctrl.register_worker, name=body.name, host=body.host, variants=variants, cpu=body.cpu,
-            memory_bytes=body.memory, gpus=[g.model_dump() for g in body.gpus], strategy=body.strategy,
-            heartbeat_s=body.heartbeat_s,
-            worker_id=body.worker_id,
-        )  # fmt: skip
+
+        def run() -> tuple[Any, str, str]:
+            cred, secret = service.workers.claim(p, body.worker_id or new_id("w_"), x_worker_secret)
+            worker = ctrl.register_worker(
+                name=body.name, host=body.host, variants=variants, cpu=body.cpu, memory_bytes=body.memory,
+                gpus=[g.model_dump() for g in body.gpus], strategy=body.strategy, heartbeat_s=body.heartbeat_s,
+                worker_id=cred.worker_id, tenant=cred.tenant,
+            )  # fmt: skip
+            return worker, secret, cred.tenant
+
+        worker, secret, serves = await service.call(run)
         service.registered(worker)
         service.changed()
-        return {"id": worker.id, "heartbeat_s": worker.heartbeat_s}
+        return {"id": worker.id, "heartbeat_s": worker.heartbeat_s, "secret": secret, "serves": serves}
 
     @app.post("/v1/workers/{worker_id}/heartbeat")
-    async def heartbeat(worker_id: str, body: HeartbeatIn, p: Principal = need("worker")) -> dict[str, Any]:
+    async def heartbeat(
+        worker_id: str, body: HeartbeatIn, me: WorkerCredential = this_worker()
+    ) -> dict[str, Any]:
         # counted as it arrives, and answered without waiting behind slow writes (see Service.heartbeat)
         state, heartbeat_s = await service.heartbeat(
             worker_id,
@@ -262,13 +343,19 @@ def create_app(service: Service) -> FastAPI:
         return {"state": state, "heartbeat_s": heartbeat_s}
 
     @app.post("/v1/workers/{worker_id}/lease")
-    async def lease(worker_id: str, body: LeaseIn, p: Principal = need("worker")) -> dict[str, Any]:
+    async def lease(worker_id: str, body: LeaseIn, me: WorkerCredential = this_worker()) -> dict[str, Any]:
         deadline = time.monotonic() + min(body.wait_s, ctrl.settings.max_lease_wait_s)
         running = list(body.running)
         mine = service.worker_signal(worker_id)
         while True:
-            signals = [service.queue_changed.current(), mine.current(), service.closing]
-            result = await service.call(ctrl.lease, worker_id, max_tasks=body.max_tasks, running=running)
+            queue, stops, capacity = (
+                service.queue_changed.current(),
+                service.changes.current(),
+                mine.current(),
+            )
+            result = await service.call(
+                ctrl.lease, worker_id, max_tasks=body.max_tasks, running=running, tenant=me.tenant
+            )
             running = [tid for tid in running if tid not in set(result.cancel)]
             left = deadline - time.monotonic()
             if result.leases or result.cancel or left <= 0 or service.closing.is_set():
@@ -285,10 +372,15 @@ def create_app(service: Service) -> FastAPI:
                     ],
                     "cancel": result.cancel,
                 }  # fmt: skip
-            await Signal.wait_any(signals, min(left, POLL_S))
+            # a full worker waits for its own capacity (or a cancel, a timeout, a fleet change), not for every new
+            # task: under a flood of submissions that would re-run its lease for nothing, hundreds of times a second
+            wake = [stops, capacity] if result.full else [queue, capacity]
+            await Signal.wait_any([*wake, service.closing], min(left, POLL_S))
 
     @app.post("/v1/workers/{worker_id}/complete")
-    async def complete(worker_id: str, body: CompleteIn, p: Principal = need("worker")) -> dict[str, Any]:
+    async def complete(
+        worker_id: str, body: CompleteIn, me: WorkerCredential = this_worker()
+    ) -> dict[str, Any]:
         completions = [
             Completion(
                 r.task_id,
@@ -310,9 +402,20 @@ def create_app(service: Service) -> FastAPI:
                 service.queue_changed.notify()  # a retryable failure went back to the queue, for anyone
         return {"accepted": accepted, "refused": refused}
 
+    @app.post("/v1/workers/{worker_id}/scrubs")
+    async def scrubs(worker_id: str, body: ScrubsIn, me: WorkerCredential = this_worker()) -> dict[str, Any]:
+        for i, scrub in enumerate(body.scrubs):  # a tenant's own worker hands GPUs over between its own tasks
+            for name in ("tenant", "previous_tenant"):
+                value = getattr(scrub, name)
+                if value is not None and not worker_serves(me.tenant, value):
+                    raise InvalidInput(f"scrubs.{i}.{name}: worker {worker_id} serves tenant {me.tenant} only",
+                                       field=f"scrubs.{i}.{name}")  # fmt: skip
+        stored = await service.call(ctrl.record_scrubs, worker_id, [s.model_dump() for s in body.scrubs])
+        return {"stored": stored}
+
     @app.post("/v1/workers/{worker_id}/events", openapi_extra=EVENTS_BODY)
     async def worker_events(
-        worker_id: str, request: Request, p: Principal = need("worker")
+        worker_id: str, request: Request, me: WorkerCredential = this_worker()
     ) -> dict[str, Any]:
         items = parse_events(await json_body(request), limits)
         last = await service.call(ctrl.append_events, worker_id, items)
@@ -321,7 +424,7 @@ def create_app(service: Service) -> FastAPI:
         return {"stored": sum(1 for _ in items) if last else 0}
 
     @app.post("/v1/workers/{worker_id}/leave")
-    async def leave(worker_id: str, p: Principal = need("worker")) -> dict[str, Any]:
+    async def leave(worker_id: str, me: WorkerCredential = this_worker()) -> dict[str, Any]:
         await service.call(ctrl.deregister, worker_id)
         service.changed()
         return {"ok": True}
@@ -329,31 +432,83 @@ def create_app(service: Service) -> FastAPI:
     # ---- tokens --------------------------------------------------------------------------------
 
     @app.post("/v1/tokens", status_code=201)
-    async def create_token(body: TokenIn, p: Principal = need("admin")) -> dict[str, Any]:
-        token_id, token = await service.call(service.tokens.create, body.role, body.tenant)
-        await service.call(
-            ctrl.audit, "token_created", body.tenant, {"id": token_id, "role": body.role, "by": p.token_id}
-        )
-        return {"id": token_id, "token": token, "role": body.role, "tenant": body.tenant}
+    async def create_token(body: TokenIn, p: Principal = need(Action.ADMIN)) -> dict[str, Any]:
+        tenant = body.tenant if body.tenant is not None else p.home_tenant
+
+        def run() -> dict[str, Any]:  # the token and its audit record commit together
+            made = service.tokens.grant(p, body.role, tenant)
+            ctrl.audit("token_created", _audit_tenant(made["tenant"]),
+                       {"token": made["id"], "role": made["role"], "token_tenant": made["tenant"], "by": p.token_id})  # fmt: skip
+            return made
+
+        return await service.call(run)
+
+    @app.get("/v1/tokens")
+    async def list_tokens(tenant: str | None = None, p: Principal = need(Action.ADMIN)) -> dict[str, Any]:
+        if tenant is not None:
+            check_tenant_name(tenant, allow_all=True)
+        rows = await service.read(service.tokens.listed, p, tenant)
+        return {"tokens": [{"id": r["id"], "role": r["role"], "tenant": r["tenant"], "created_at": iso(r["created_at"]),
+                            "revoked_at": iso(r["revoked_at"])} for r in rows]}  # fmt: skip
 
     @app.delete("/v1/tokens/{token_id}")
-    async def revoke_token(token_id: str, p: Principal = need("admin")) -> dict[str, Any]:
-        await service.call(service.tokens.revoke, token_id)
-        await service.call(ctrl.audit, "token_revoked", None, {"id": token_id, "by": p.token_id})
-        return {"id": token_id, "revoked": True}
+    async def revoke_token(token_id: str, p: Principal = need(Action.ADMIN)) -> dict[str, Any]:
+        def run() -> dict[str, Any]:
+            row = service.tokens.revoke(p, token_id)
+            ctrl.audit("token_revoked", _audit_tenant(row["tenant"]),
+                       {"token": token_id, "role": row["role"], "token_tenant": row["tenant"], "by": p.token_id})  # fmt: skip
+            return row
+
+        row = await service.call(run)
+        return {"id": token_id, "role": row["role"], "tenant": row["tenant"], "revoked": True}
 
     @app.get("/v1/audit")
-    async def audit(since: str | None = None, p: Principal = need("admin")) -> dict[str, Any]:
-        records = await service.read(ctrl.store.list_audit, _parse_since(since))
-        return {"audit": [{"id": r["id"], "ts": iso(r["ts"]), "kind": r["kind"], "tenant": r["tenant"], **r["body"]}
-                          for r in records]}  # fmt: skip
+    async def audit(
+        since: str | None = None,
+        tenant: str | None = None,
+        kind: str | None = None,
+        limit: int = Query(1000, ge=1, le=10_000),
+        cursor: int | None = Query(None, ge=0),
+        p: Principal = need(Action.ADMIN),
+    ) -> dict[str, Any]:
+        if tenant is not None:
+            check_tenant_name(tenant)
+            if not sees(p, tenant):
+                raise NotFound(f"tenant {tenant} not found", field="tenant")
+        if kind is not None and kind not in AUDIT_KINDS:
+            raise InvalidInput(f"kind: {kind!r} is not one of {', '.join(sorted(AUDIT_KINDS))}", field="kind")
+        records = await service.read(ctrl.store.list_audit, _parse_since(since), limit, tenant=tenant or scope(p),
+                                     kind=kind, after_id=cursor)  # fmt: skip
+        return {"audit": [_audit_out(r) for r in records],
+                "next_cursor": records[-1]["id"] if len(records) == limit else None}  # fmt: skip
 
     app.include_router(prometheus.router(service, metrics))
-    app.include_router(lifeline.router(service, need("worker")))
-    dashboard.install(app, service, need, scope)
+    app.include_router(lifeline.router(service, this_worker()))  # held by the worker itself, as it heartbeats
+    dashboard.install(app, service, need, scope, visible_workers)
 
     return app
 
+
+AUDIT_TIMES = ("start", "end", "last_heartbeat")  # epoch seconds in the record, ISO 8601 on the wire
+
+
+def _audit_out(r: dict[str, Any]) -> dict[str, Any]:
+    body = {k: iso(v) if k in AUDIT_TIMES and isinstance(v, int | float) else v for k, v in r["body"].items()}
+    return {**body, "id": r["id"], "ts": iso(r["ts"]), "kind": r["kind"], "tenant": r["tenant"]}
+
+
+def _audit_tenant(tenant: str) -> str | None:
+    return None if tenant == ALL_TENANTS else tenant
+
+
+_SWAGGER_PAGE = """<!doctype html>
+<html><head><title>Turnout API</title>
+<link rel="stylesheet" href="https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui.css"></head>
+<body><div id="swagger-ui"></div>
+<script src="https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui-bundle.js"></script>
+<script>SwaggerUIBundle({spec: SPEC, dom_id: "#swagger-ui"});</script>
+</body></html>
+"""
 
 # A batch of events shares one timestamp: format it once, not once per event.
 iso_cached = functools.lru_cache(maxsize=256)(iso)
@@ -375,7 +530,8 @@ def _parse_since(since: str | None) -> float | None:
     from datetime import datetime
 
     try:
-        return datetime.fromisoformat(since.replace("Z", "+00:00")).timestamp()
+        # times go out rounded to the microsecond: a record's own `ts`, sent back as `since`, must include it
+        return datetime.fromisoformat(since.replace("Z", "+00:00")).timestamp() - 1e-6
     except ValueError:
         raise InvalidInput(
             f"since: {since!r} is not an ISO 8601 time or epoch seconds", field="since"

@@ -8,22 +8,21 @@ and no token (or a bad one) is held, the API answers 401 and the page asks for o
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from importlib.resources import files
 from typing import Any
 
 import jinja2
-from fastapi import APIRouter, FastAPI, Header
+from fastapi import APIRouter, FastAPI
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
 from turnout import __version__
+from turnout.access import Action, Principal
 from turnout.api.schemas import iso, task_out
 from turnout.api.service import Service
-from turnout.auth import Principal
 from turnout.dashboard.view import Totals, queue_views, totals, worker_views
-from turnout.errors import Forbidden
 from turnout.models import ACTIVE_STATES, TaskState
 
 RECENT_TASKS = 25
@@ -44,17 +43,19 @@ _templates = jinja2.Environment(
 )
 
 
-def install(
-    app: FastAPI, service: Service, need: Callable[[str], Any], scope: Callable[[Principal], str | None]
-) -> None:
-    """Add the dashboard's pages, static files and data routes to `app`; `need` and `scope` are the app's auth."""
-    app.include_router(router(service, need, scope))
+Need = Callable[[Action], Any]
+Scope = Callable[[Principal], str | None]
+Visible = Callable[[Principal], Awaitable[set[str] | None]]  # the worker ids a caller sees; None: all
+
+
+def install(app: FastAPI, service: Service, need: Need, scope: Scope, visible: Visible) -> None:
+    """Add the dashboard's pages, static files and data routes to `app`; `need`, `scope` and `visible` are the
+    app's access rules (a tenant sees its own tasks and queues, and the workers that may serve it)."""
+    app.include_router(router(service, need, scope, visible))
     app.mount("/static", StaticFiles(directory=str(files("turnout.dashboard") / "static")), name="static")
 
 
-def router(
-    service: Service, need: Callable[[str], Any], scope: Callable[[Principal], str | None]
-) -> APIRouter:
+def router(service: Service, need: Need, scope: Scope, visible: Visible) -> APIRouter:
     api = APIRouter()
     ctrl = service.controller
     totals_cache: dict[str | None, tuple[float, Totals]] = {}
@@ -81,19 +82,18 @@ def router(
         return page("task.html", task_id=task_id)
 
     @api.get("/v1/dashboard")
-    async def snapshot(p: Principal = need("read")) -> dict[str, Any]:
-        """Everything the overview shows, in one read: workers and GPUs, queues, recent tasks, totals."""
+    async def snapshot(p: Principal = need(Action.READ)) -> dict[str, Any]:
+        """Everything the overview shows, in one read: workers and GPUs, queues, recent tasks, totals.
+
+        A tenant's view holds its own queues and tasks, and the workers that may serve it (its own and the
+        shared pool's); other tenants' holds on those workers' GPUs show as `other tenants`, without ids."""
         tenant = scope(p)
-        workers = await service.read(ctrl.workers)
+        seen = await visible(p)
+        workers = [w for w in await service.read(ctrl.workers) if seen is None or w.id in seen]
         active = await service.read(ctrl.store.active_tasks)
-        queued = await service.read(ctrl.store.task_stats, NON_TERMINAL)
+        mine = await service.read(ctrl.store.task_stats, NON_TERMINAL, tenant=tenant)  # None: every tenant's
         recent = await service.read(ctrl.list_tasks, tenant, limit=RECENT_TASKS)
         sums = await totals_of(tenant)
-        mine = (
-            queued
-            if tenant is None
-            else await service.read(ctrl.store.task_stats, NON_TERMINAL, tenant=tenant)
-        )
         live = totals(mine)  # queued and running from this read, not from the cached scan
         sums = replace(sums, queued=live.queued, running=live.running)
         now = ctrl.clock()
@@ -101,27 +101,16 @@ def router(
             "time": iso(now),
             "viewer": {"role": p.role.value, "tenant": p.tenant, "all_tenants": tenant is None},
             "workers": [w.to_dict() for w in worker_views(workers, active, viewer_tenant=tenant, now=now)],
-            "queues": [vars(q) for q in queue_views(queued)],
+            "queues": [vars(q) for q in queue_views(mine)],
             "tasks": [task_out(t) for t in recent],
             "totals": vars(sums),
         }
 
     @api.get("/v1/whoami")
-    async def whoami(authorization: str | None = Header(None)) -> dict[str, Any]:
-        """The token's role and tenant, and the controller's clock: what `turnout doctor` and the page check."""
-        now = time.time()
-        if not service.auth:
-            return {"role": "admin", "tenant": "default", "token_id": None, "auth": False, "time": iso(now)}
-        principal = None
-        for kind in ("read", "worker"):  # every role may do one of these
-            try:
-                principal = await service.read(service.tokens.verify, authorization, kind)
-                break
-            except Forbidden:
-                continue
-        if principal is None:  # pragma: no cover - every role is allowed "read" or "worker"
-            raise Forbidden("this token has no role")
-        return {"role": principal.role.value, "tenant": principal.tenant, "token_id": principal.token_id,
-                "auth": True, "time": iso(now)}  # fmt: skip
+    async def whoami(p: Principal = need(Action.ANY)) -> dict[str, Any]:
+        """The token's role and tenant (`"*"`: every tenant), and the controller's clock: what `turnout doctor`
+        and the page check. Any valid token may ask, a worker's included."""
+        return {"role": p.role.value, "tenant": p.tenant, "token_id": p.token_id if service.auth else None,
+                "auth": service.auth, "time": iso(time.time())}  # fmt: skip
 
     return api

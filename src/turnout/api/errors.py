@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,8 +23,9 @@ STATUS = HTTP_STATUS
 def error_response(exc: TurnoutError) -> JSONResponse:
     status = next((code for cls, code in STATUS.items() if isinstance(exc, cls)), 500)
     retry_after_s = exc.retry_after_s if isinstance(exc, RateLimited | StorageUnavailable) else None
-    headers = {"Retry-After": str(max(1, round(retry_after_s)))} if retry_after_s is not None else None
-    body = {k: _utf8(v) for k, v in exc.to_dict().items()}
+    # whole seconds, never less than the wait (HTTP allows no fraction); a 429's body says it exactly
+    headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))} if retry_after_s is not None else None
+    body = {k: _utf8(v) if isinstance(v, str) else v for k, v in exc.to_dict().items()}
     return JSONResponse({"error": body}, status_code=status, headers=headers)
 
 

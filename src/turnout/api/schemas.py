@@ -223,12 +223,27 @@ class ResultIn(Strict):
     error: dict[str, Any] | None = None
     run_s: float | None = Field(None, ge=0, le=MAX_RUN_S)  # bounded: a cost of run_s x price must be a number
     started_at: float | None = Field(None, ge=0, le=MAX_EPOCH_S)  # a time every reader can format
-    # what held the process that ran it: {"process_group", "pdeathsig", "pid_namespace", "cgroup"} (containment.py)
+    # what held and confined the process that ran it: containment's {"process_group", "pdeathsig", "pid_namespace",
+    # "cgroup"} (containment.py) and, for a sandboxed command, the sandbox's {"sandbox", "network", ...} (sandbox.py)
     isolation: dict[str, Any] | None = Field(None, max_length=32)
 
 
 class CompleteIn(Strict):
     results: list[ResultIn] = Field(max_length=10_000)
+
+
+class ScrubIn(Strict):
+    gpu: str = Field(min_length=1, max_length=128)
+    task_id: str = Field(min_length=1, max_length=40)
+    tenant: str = Field(min_length=1, max_length=64)  # whose task gets the GPU next
+    previous_tenant: str | None = Field(None, max_length=64)  # None: unknown (the worker had just started)
+    ok: bool
+    seconds: float = Field(ge=0, le=MAX_RUN_S)
+    message: str = Field("", max_length=2000)
+
+
+class ScrubsIn(Strict):
+    scrubs: list[ScrubIn] = Field(max_length=1000)
 
 
 def parse_events(body: Any, limits: RequestLimits) -> list[tuple[str, int, dict[str, Any]]]:
@@ -264,7 +279,8 @@ def parse_events(body: Any, limits: RequestLimits) -> list[tuple[str, int, dict[
 
 class TokenIn(Strict):
     role: str
-    tenant: str = Field("default", min_length=1, max_length=64, pattern=_NO_NUL)
+    # default: the caller's own tenant ("default" for the operator); "*" (every tenant) for the operator only
+    tenant: str | None = Field(None, min_length=1, max_length=64, pattern=_NO_NUL)
 
 
 def iso(ts: float | None) -> str | None:

@@ -31,11 +31,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from turnout.auth import TokenBook
+from turnout.auth import TokenBook, WorkerKeys
 from turnout.controller import Controller
 from turnout.errors import NotFound, StorageUnavailable
-from turnout.models import Worker, WorkerState
+from turnout.models import GpuMode, TaskSpec, Worker, WorkerState
 from turnout.store.sql import is_storage_failure
+from turnout.tenancy import TenantBuckets, admit_submission, gpu_allocation_rule, submit_rule
 
 log = logging.getLogger("turnout.api")
 R = TypeVar("R")
@@ -116,14 +117,19 @@ class Service:
     ) -> None:
         self.controller = controller
         self.tokens = tokens
+        self.workers = WorkerKeys(controller.store)
         self.auth = auth
         self.heartbeat_answer_s = heartbeat_answer_s
         self.reconnect_grace_s = reconnect_grace_s
+        limits = controller.settings.tenant_limits
+        self.submissions = TenantBuckets(submit_rule(limits))
+        self.gpu_submissions = TenantBuckets(gpu_allocation_rule(limits))  # GPU-only tasks, at the door
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._db = threading.Thread(target=self._run_jobs, name="turnout-db", daemon=True)
         self._db.start()
         self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="turnout-read")
         self.queue_changed = Signal()  # new tasks, freed capacity, cancellations
+        self.changes = Signal()  # cancellations, timeouts, workers coming and going: what `changed()` says
         self.tasks_changed = Signal()  # some task reached a terminal state or changed worker
         self.events_added = Signal()
         self._worker_signals: dict[
@@ -227,6 +233,11 @@ class Service:
             if lost:
                 self.controller.forget_cached()
 
+    def admit(self, tenant: str, specs: list[TaskSpec]) -> None:
+        """Rate limits at the door, before the database: see `tenancy.admit_submission`."""
+        gpu_only = sum(1 for s in specs if s.gpu is GpuMode.REQUIRE)
+        admit_submission(self.submissions, self.gpu_submissions, tenant, len(specs), gpu_only)
+
     # ---- wake-ups ------------------------------------------------------------------------------
 
     def worker_signal(self, worker_id: str) -> Signal:
@@ -236,6 +247,7 @@ class Service:
         return signal
 
     def changed(self) -> None:
+        self.changes.notify()
         self.queue_changed.notify()
         self.tasks_changed.notify()
 

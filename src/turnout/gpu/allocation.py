@@ -16,6 +16,10 @@ Rules (DESIGN.md "Resources"):
   `min_compute_capability`.
 * `training` and `inference` never share a unit (their memory patterns clash: a training step's peak
   would OOM a latency-bound server).
+* one tenant at a time on a shared non-MIG unit: processes sharing a GPU's memory without MIG are not
+  isolated from each other, so another tenant's share waits for a GPU of its own or a MIG device (whole
+  GPUs and MIG devices are never shared, so they need no such rule). A request with no tenant (the trace
+  simulator) is not constrained.
 * PACK = best fit (least memory left over on the chosen unit; for exclusive, the model group left with the
   fewest free GPUs). SPREAD = least allocated, then coolest. Remaining ties: lowest index, then input order.
 """
@@ -52,6 +56,7 @@ class GpuRequest:
     models: tuple[str, ...] = ()  # ordered preference, substring, case-insensitive
     min_compute_capability: tuple[int, int] | None = None
     workload: str | None = None  # "training" never shares a unit with "inference" (and vice versa)
+    tenant: str | None = None  # never shares a non-MIG unit with another tenant's task
     cpu: float = 0.0  # host cores; not used by `allocate`, only by node scoring
     host_memory_bytes: int = 0
     fraction_ppm: int = field(init=False, repr=False, compare=False)
@@ -78,7 +83,9 @@ class GpuRequest:
         return self.count > 0
 
     @classmethod
-    def from_resources(cls, r: Resources, workload: str | None = None) -> GpuRequest:
+    def from_resources(
+        cls, r: Resources, workload: str | None = None, tenant: str | None = None
+    ) -> GpuRequest:
         """Translate a validated requirement; `gpu >= 1` is exclusive, `0 < gpu < 1` or `gpu_memory` shared."""
         count = r.whole_gpus
         fraction = float(r.gpu) if 0 < r.gpu < 1 else None
@@ -89,6 +96,7 @@ class GpuRequest:
             models=r.gpu_models,
             min_compute_capability=r.min_compute_capability,
             workload=workload,
+            tenant=tenant,
             cpu=r.cpu,
             host_memory_bytes=r.memory_bytes,
         )
@@ -166,12 +174,16 @@ def _clashes(request: GpuRequest, usage: UnitUsage) -> bool:
     return other is not None and other in usage.workloads
 
 
+def _other_tenant(request: GpuRequest, usage: UnitUsage) -> bool:
+    return request.tenant is not None and bool(usage.tenants - {request.tenant})
+
+
 def shared_slack(request: GpuRequest, unit: GpuUnit, usage: UnitUsage) -> int | None:
     """Memory left over on `unit` after placing the shared request there, or None if it does not fit now."""
     need = need_bytes(request, unit)
     if unit.is_mig:
         return unit.memory_bytes - need if _is_free(usage) and need <= unit.memory_bytes else None
-    if usage.exclusive or _clashes(request, usage):
+    if usage.exclusive or _clashes(request, usage) or _other_tenant(request, usage):
         return None
     slack = unit.memory_bytes - usage.memory_bytes - need
     return slack if slack >= 0 else None
@@ -270,7 +282,9 @@ def fits_ever(request: GpuRequest, units: Sequence[GpuUnit]) -> bool:
     return allocate(request, units, {}) is not None
 
 
-def _hold(usage: dict[str, UnitUsage], grant: GpuGrant, workload: str | None) -> None:
+def _hold(
+    usage: dict[str, UnitUsage], grant: GpuGrant, workload: str | None, tenant: str | None = None
+) -> None:
     for uuid in grant.uuids:
         old = usage.get(uuid, _EMPTY)
         usage[uuid] = UnitUsage(
@@ -278,13 +292,16 @@ def _hold(usage: dict[str, UnitUsage], grant: GpuGrant, workload: str | None) ->
             old.exclusive or grant.exclusive,
             old.tasks + 1,
             old.workloads | {workload} if workload else old.workloads,
+            old.tenants | {tenant} if tenant else old.tenants,
         )
 
 
-def add_grant(usage: Mapping[str, UnitUsage], grant: GpuGrant, workload: str | None) -> dict[str, UnitUsage]:
-    """A new usage map with `grant` held; the input is left untouched."""
+def add_grant(
+    usage: Mapping[str, UnitUsage], grant: GpuGrant, workload: str | None, tenant: str | None = None
+) -> dict[str, UnitUsage]:
+    """A new usage map with `grant` held (by `tenant`'s task, where known); the input is left untouched."""
     out = dict(usage)
-    _hold(out, grant, workload)
+    _hold(out, grant, workload, tenant)
     return out
 
 
@@ -293,7 +310,7 @@ def remove_grant(
 ) -> dict[str, UnitUsage]:
     """A new usage map with `grant` released; a unit left with no task disappears from the map.
 
-    `UnitUsage.workloads` is a set, so a workload label stays on a unit until its last task leaves:
+    `UnitUsage.workloads` and `.tenants` are sets, so a label stays on a unit until its last task leaves:
     conservative (it may refuse a clashing share a little longer), never unsafe. Usage recomputed with
     `usage_from_grants` is always exact.
     """
@@ -306,15 +323,19 @@ def remove_grant(
         if tasks == 0:
             del out[uuid]
             continue
-        out[uuid] = UnitUsage(memory, old.exclusive and not grant.exclusive, tasks, old.workloads)
+        out[uuid] = UnitUsage(
+            memory, old.exclusive and not grant.exclusive, tasks, old.workloads, old.tenants
+        )
     return out
 
 
-def usage_from_grants(grants: Iterable[tuple[GpuGrant, str | None]]) -> dict[str, UnitUsage]:
-    """The usage of a worker's units from the grants of its active tasks (the source of truth)."""
+def usage_from_grants(
+    grants: Iterable[tuple[GpuGrant, str | None] | tuple[GpuGrant, str | None, str | None]],
+) -> dict[str, UnitUsage]:
+    """The usage of a worker's units from the grants of its active tasks: (grant, workload[, tenant])."""
     usage: dict[str, UnitUsage] = {}
-    for grant, workload in grants:
-        _hold(usage, grant, workload)
+    for grant, workload, *tenant in grants:
+        _hold(usage, grant, workload, tenant[0] if tenant else None)
     return usage
 
 

@@ -96,6 +96,7 @@ class UnitUsage:
     exclusive: bool = False
     tasks: int = 0
     workloads: frozenset[str] = field(default_factory=frozenset)
+    tenants: frozenset[str] = field(default_factory=frozenset)  # whose tasks hold it
 
 
 def units_of(devices: list[GpuDevice], unhealthy: frozenset[str] = frozenset()) -> list[GpuUnit]:

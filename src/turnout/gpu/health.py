@@ -155,6 +155,12 @@ class HealthTracker:
                     )
         return changes
 
+    def quarantine(self, uuid: str, reason: str, now_s: float) -> list[HealthChange]:
+        """Take a device out of service for a reason found outside the samples (a failed scrub)."""
+        return self._quarantine(
+            uuid, self._devices.setdefault(uuid, _Device(healthy_since_s=now_s)), reason, now_s
+        )
+
     def quarantined(self) -> dict[str, str]:
         """UUID -> reason, for every device out of service."""
         return {uuid: dev.reason for uuid, dev in self._devices.items() if dev.reason is not None}

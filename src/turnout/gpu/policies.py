@@ -291,7 +291,9 @@ class FgdPolicy(_Base):
     ) -> float:
         """Fragmentation removed by placing the request (negative: it adds fragmentation), in GPUs."""
         before = self.meter(units, usage, host.cpu_free)
-        after_usage = add_grant(usage, grant, request.workload) if grant is not None else usage
+        after_usage = (
+            add_grant(usage, grant, request.workload, request.tenant) if grant is not None else usage
+        )
         after = self.meter(units, after_usage, host.cpu_free - request.cpu)
         return (before - after) / PPM
 

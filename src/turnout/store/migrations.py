@@ -48,11 +48,24 @@ def _task_isolation(conn: sa.Connection) -> None:
     conn.execute(sa.text(f"ALTER TABLE tasks ADD COLUMN isolation {kind}"))
 
 
+def _tenancy(conn: sa.Connection) -> None:
+    schema.worker_credentials.create(conn, checkfirst=True)
+    schema.queue_by_tenant.create(conn, checkfirst=True)
+    schema.audit_by_tenant.create(conn, checkfirst=True)
+    # Before tenancy, an admin of tenant "default" saw and managed every tenant: it becomes what it was, the
+    # operator (tenant "*"), so an upgrade takes no power from the token in admin.token and gives none to others.
+    conn.execute(sa.text("UPDATE tokens SET tenant = '*' WHERE role = 'admin' AND tenant = 'default'"))
+
+
 MIGRATIONS: list[Migration] = [
     (1, "initial tables", _initial),
     (2, "lease-order index; JSON null as SQL NULL", _queue_order_and_nulls),
     (3, "tasks.isolation: what held a task's processes", _task_isolation),
     (4, "capabilities ever registered, from the workers so far", _known_capabilities),
+    (5, "tenancy: worker credentials, per-tenant queue and audit indexes, the operator token", _tenancy),
+    # The sandbox work (issue 10) first numbered the same column 6: here it adds the column only where it is
+    # missing, so it is a no-op after 3, and a database that recorded 6 first finds 3 a no-op in turn.
+    (6, "tasks.isolation under its first number: a no-op where migration 3 ran", _task_isolation),
 ]
 
 

@@ -37,7 +37,7 @@ tasks = sa.Table(
     sa.Column("gpu_model", sa.String(128)),
     sa.Column("alloc", Json),  # resources held while leased/running: cpu, memory
     sa.Column("routing", Json),
-    sa.Column("isolation", Json),  # what held the task's processes on its worker (worker/containment.py)
+    sa.Column("isolation", Json),  # what held the last attempt's processes (containment, sandbox)
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("queued_at", sa.Float),
     sa.Column("leased_at", sa.Float),
@@ -58,6 +58,16 @@ queue_order = sa.Index(
     "ix_tasks_queue_order", tasks.c.state, tasks.c.priority.desc(), tasks.c.created_at, tasks.c.id
 )
 
+# the lease order within one tenant: a worker serving one tenant, and round-robin across tenants, seek here
+queue_by_tenant = sa.Index(
+    "ix_tasks_queue_tenant",
+    tasks.c.state,
+    tasks.c.tenant,
+    tasks.c.priority.desc(),
+    tasks.c.created_at,
+    tasks.c.id,
+)
+
 workers = sa.Table(
     "workers",
     metadata,
@@ -75,6 +85,18 @@ workers = sa.Table(
     sa.Column("heartbeat_s", sa.Float, nullable=False),
     sa.Column("metrics", Json),
     sa.Column("quarantined", Json),
+)
+
+# who a worker is: the hash of the secret it got at registration, the token that registered it, and the
+# tenant it serves ("*": every tenant, a shared pool). Written once per worker id, never changed.
+worker_credentials = sa.Table(
+    "worker_credentials",
+    metadata,
+    sa.Column("worker_id", sa.String(40), primary_key=True),
+    sa.Column("secret_hash", sa.String(64), nullable=False),
+    sa.Column("token_id", sa.String(40), nullable=False),
+    sa.Column("tenant", sa.String(64), nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
 )
 
 tokens = sa.Table(
@@ -106,6 +128,7 @@ audit = sa.Table(
     sa.Column("tenant", sa.String(64)),
     sa.Column("body", Json, nullable=False),
 )
+audit_by_tenant = sa.Index("ix_audit_tenant", audit.c.tenant, audit.c.id)
 
 # every capability a worker ever registered: a submit of any other is refused at once (a typo), while a pool
 # scaled to zero keeps its name known

@@ -257,24 +257,53 @@ class SqlStore:
             return [_task(r) for r in conn.execute(query)]
 
     def queued_tasks(
-        self, capabilities: Iterable[str] | None = None, limit: int = 500, *, widen_to: int | None = None
+        self,
+        capabilities: Iterable[str] | None = None,
+        limit: int = 500,
+        *,
+        widen_to: int | None = None,
+        tenant: str | None = None,
     ) -> Iterator[Task]:
-        """Queued tasks, highest priority first, then oldest first, decoded as the caller reads.
+        """Queued tasks (of one tenant, or of all), highest priority first, then oldest first, decoded as the
+        caller reads.
 
         Reads `limit` rows first; a caller that reads past them gets more, up to `widen_to` in all.
         """
         if capabilities is None:
             capabilities = [name for (name,) in self._capabilities_queued()]
-        caps = list(capabilities)
+        query = _QUEUED if tenant is None else _QUEUED_OF
+        params: dict[str, Any] = {"caps": list(capabilities)}
+        if tenant is not None:
+            params["tenant"] = tenant
         with self._read() as conn:
-            rows = conn.execute(_QUEUED, {"caps": caps, "limit": limit, "offset": 0}).all()
+            rows = conn.execute(query, {**params, "limit": limit, "offset": 0}).all()
         yield from (_task(r) for r in rows)
         total = max(limit, widen_to or 0)
         if len(rows) < limit or total <= limit:
             return
         with self._read() as conn:
-            more = conn.execute(_QUEUED, {"caps": caps, "limit": total - limit, "offset": limit}).all()
+            more = conn.execute(query, {**params, "limit": total - limit, "offset": limit}).all()
         yield from (_task(r) for r in more)
+
+    def queued_tenants(self) -> list[str]:
+        """The tenants with queued tasks, by index seeks (one per tenant), not a scan of a deep queue."""
+        with self._read() as conn:
+            return [r[0] for r in conn.execute(_QUEUED_TENANTS) if r[0] is not None]
+
+    def active_by_tenant(self) -> dict[str, int]:
+        """Leased or running tasks per tenant: who holds the most of the cluster now."""
+        query = sa.select(T.c.tenant, sa.func.count()).where(T.c.state.in_(_ACTIVE)).group_by(T.c.tenant)
+        with self._read() as conn:
+            return {tenant: int(n) for tenant, n in conn.execute(query)}
+
+    def gpu_use_by_tenant(self) -> dict[str, float]:
+        """GPUs each tenant holds now (leased or running tasks; a share counts its fraction)."""
+        query = sa.select(T.c.tenant, T.c.alloc).where(T.c.state.in_(_ACTIVE), T.c.gpus.is_not(None))
+        out: dict[str, float] = {}
+        with self._read() as conn:
+            for tenant, alloc in conn.execute(query):
+                out[tenant] = out.get(tenant, 0.0) + float((alloc or {}).get("gpu_share", 1.0))
+        return out
 
     def _capabilities_queued(self) -> list[Any]:
         with self._read() as conn:
@@ -334,13 +363,15 @@ class SqlStore:
                 return [_task(r) for r in conn.execute(_ACTIVE_ALL)]
             return [_task(r) for r in conn.execute(_ACTIVE_OF, {"workers": list(worker_ids)})]
 
-    def queue_depths(self) -> dict[str, dict[str, int]]:
-        """capability -> state -> count, over the non-terminal states."""
+    def queue_depths(self, tenant: str | None = None) -> dict[str, dict[str, int]]:
+        """capability -> state -> count, over the non-terminal states (of one tenant, or of all)."""
         query = (
             sa.select(T.c.capability, T.c.state, sa.func.count())
             .where(T.c.state.in_([s.value for s in (TaskState.QUEUED, TaskState.LEASED, TaskState.RUNNING)]))
             .group_by(T.c.capability, T.c.state)
         )
+        if tenant is not None:
+            query = query.where(T.c.tenant == tenant)
         out: dict[str, dict[str, int]] = {}
         with self._read() as conn:
             for cap, state, n in conn.execute(query):
@@ -450,6 +481,39 @@ class SqlStore:
             )
             return bool(conn.execute(query).rowcount)
 
+    def list_tokens(self, tenant: str | None = None) -> list[dict[str, Any]]:
+        """Tokens (of one tenant, or all), oldest first, without their hashes."""
+        tok = schema.tokens
+        query = sa.select(tok.c.id, tok.c.role, tok.c.tenant, tok.c.created_at, tok.c.revoked_at).order_by(
+            tok.c.created_at, tok.c.id
+        )
+        if tenant is not None:
+            query = query.where(tok.c.tenant == tenant)
+        with self._read() as conn:
+            return [dict(r._mapping) for r in conn.execute(query)]
+
+    # ---- worker credentials ------------------------------------------------------------------
+
+    def insert_worker_credential(
+        self, worker_id: str, secret_hash: str, token_id: str, tenant: str, created_at: float
+    ) -> None:
+        with self._write() as conn:
+            values = {"worker_id": worker_id, "secret_hash": secret_hash, "token_id": token_id,
+                      "tenant": tenant, "created_at": created_at}  # fmt: skip
+            conn.execute(schema.worker_credentials.insert().values(**values))
+
+    def get_worker_credential(self, worker_id: str) -> dict[str, Any] | None:
+        wc = schema.worker_credentials
+        with self._read() as conn:
+            row = conn.execute(sa.select(wc).where(wc.c.worker_id == worker_id)).first()
+        return dict(row._mapping) if row else None
+
+    def worker_tenants(self) -> dict[str, str]:
+        """worker id -> the tenant it serves ("*": every tenant)."""
+        wc = schema.worker_credentials
+        with self._read() as conn:
+            return {r.worker_id: r.tenant for r in conn.execute(sa.select(wc.c.worker_id, wc.c.tenant))}
+
     def count_tokens(self) -> int:
         with self._read() as conn:
             return int(conn.execute(sa.select(sa.func.count()).select_from(schema.tokens)).scalar_one())
@@ -503,11 +567,26 @@ class SqlStore:
                 [{"ts": ts, "kind": k, "tenant": tn, "body": b} for ts, k, tn, b in records],
             )
 
-    def list_audit(self, since: float | None = None, limit: int = 1000) -> list[dict[str, Any]]:
+    def list_audit(
+        self,
+        since: float | None = None,
+        limit: int = 1000,
+        *,
+        tenant: str | None = None,
+        kind: str | None = None,
+        after_id: int | None = None,
+    ) -> list[dict[str, Any]]:
+        """Audit records in the order written; `after_id` pages (the last id seen)."""
         a = schema.audit
         query = sa.select(a).order_by(a.c.id).limit(limit)
         if since is not None:
             query = query.where(a.c.ts >= since)
+        if tenant is not None:
+            query = query.where(a.c.tenant == tenant)
+        if kind is not None:
+            query = query.where(a.c.kind == kind)
+        if after_id is not None:
+            query = query.where(a.c.id > after_id)
         with self._read() as conn:
             return [dict(r._mapping) for r in conn.execute(query)]
 
@@ -524,6 +603,26 @@ _QUEUED = (
     .order_by(T.c.priority.desc(), T.c.created_at, T.c.id)
     .limit(sa.bindparam("limit"))
     .offset(sa.bindparam("offset"))
+)
+_QUEUED_OF = (
+    sa.select(T)
+    .where(
+        T.c.state == TaskState.QUEUED.value,
+        T.c.tenant == sa.bindparam("tenant"),
+        T.c.capability.in_(sa.bindparam("caps", expanding=True)),
+    )
+    .order_by(T.c.priority.desc(), T.c.created_at, T.c.id)
+    .limit(sa.bindparam("limit"))
+    .offset(sa.bindparam("offset"))
+)
+# a loose index scan: the next tenant after the last, one seek each (works on SQLite and PostgreSQL alike)
+_QUEUED_TENANTS = sa.text(
+    "WITH RECURSIVE q(tenant) AS ("
+    " SELECT MIN(tenant) FROM tasks WHERE state = 'queued'"
+    " UNION ALL"
+    " SELECT (SELECT MIN(tenant) FROM tasks WHERE state = 'queued' AND tenant > q.tenant) FROM q"
+    " WHERE q.tenant IS NOT NULL"
+    ") SELECT tenant FROM q"
 )
 _GET_WORKER = sa.select(W).where(W.c.id == sa.bindparam("id"))
 _LIVE_WORKERS = sa.select(W).where(W.c.state != WorkerState.GONE.value).order_by(W.c.registered_at)

@@ -17,6 +17,7 @@ import os
 import socket
 import sys
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 import httpx
 import psutil
 
+from turnout.access import WORKER_SECRET_HEADER
 from turnout.errors import InvalidInput
 from turnout.gpu.allocation import GpuRequest, fits_ever
 from turnout.gpu.devices import GpuDevice, units_of
@@ -40,6 +42,7 @@ from turnout.worker.reports import (
     refused_completion,
     with_event_failure,
 )
+from turnout.worker.scrub import TenantLedger, run_scrub
 from turnout.worker.visibility import gpu_env
 
 log = logging.getLogger("turnout.worker")
@@ -62,6 +65,15 @@ class AgentSettings:
     drain_grace_s: float = 30.0
     canary_command: list[str] | None = None  # re-admits a quarantined GPU when it exits 0
     canary_backoff_s: float = 30.0  # first wait before a quarantined GPU's canary; doubles on failure
+    scrub_command: str | None = None  # run on a GPU before another tenant's task gets it ("builtin": torch)
+
+
+class ScrubFailed(Exception):
+    """A GPU of the task's grant could not be scrubbed: the task must not start there."""
+
+    def __init__(self, error: dict[str, Any]) -> None:
+        super().__init__(error["message"])
+        self.error = error
 
 
 @dataclass
@@ -148,6 +160,13 @@ class Agent:
         self._event_failures: dict[tuple[str, int], dict[str, Any]] = {}
         self._leasing = True
         self._registered = asyncio.Event()
+        self._beat_now = asyncio.Event()  # heartbeat at once (a GPU was just quarantined)
+        self.ledger = TenantLedger()  # which tenant last held each GPU unit here
+        self._unit_locks: dict[str, asyncio.Lock] = {}  # one hand-over (and scrub) at a time per unit
+        self._scrubs: list[dict[str, Any]] = []
+        self._scrubs_lock = asyncio.Lock()
+        # a warm process serves one tenant only: what a task left in its memory stays with its tenant
+        self._proc_tenant: weakref.WeakKeyDictionary[ProtocolProcess, str] = weakref.WeakKeyDictionary()
 
     def offered(self, runnables: list[Runnable]) -> list[Runnable]:
         """The variants this host's hardware can run: GPU variants only where some GPU could ever fit them."""
@@ -220,7 +239,10 @@ class Agent:
                 if resp.status_code in (401, 403, 422):
                     raise InvalidInput(f"controller refused registration: {resp.text}", field="worker")
                 resp.raise_for_status()
-                self.worker_id = resp.json()["id"]
+                answer = resp.json()
+                self.worker_id = answer["id"]
+                # who we are, on every later call (registering again included): our token and this secret
+                self.http.headers[WORKER_SECRET_HEADER] = answer["secret"]
                 self._registered.set()
                 log.info(
                     "registered as %s with %d variants, %d GPUs",
@@ -240,7 +262,9 @@ class Agent:
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.heartbeat_s)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._beat_now.wait(), self.settings.heartbeat_s)
+            self._beat_now.clear()
             try:
                 metrics = await asyncio.get_running_loop().run_in_executor(None, self._metrics)
                 self._enforce_memory_limits()
@@ -330,6 +354,7 @@ class Agent:
             self._events.append({"task_id": task_id, "attempt": attempt, "event": event})
             self._events_ready.set()
 
+        isolation: dict[str, Any] | None = None
         try:
             if runnable is None:
                 outcome = Outcome(
@@ -341,12 +366,16 @@ class Agent:
                 )
             else:
                 key = grant_key(lease.get("gpus"))
-                proc = await runnable.pool.acquire(key, task_id)
+                tenant = str(lease.get("tenant") or "default")
+                await self._hand_over(task_id, lease.get("gpus") or {}, tenant)
+                proc = await self._acquire(runnable, key, task_id, tenant)
                 reusable = False
                 grant = lease.get("gpus") or {}
                 if grant and not grant.get("exclusive") and proc.pid:
                     self._shared[task_id] = SharedTask(task_id, proc.pid, tuple(grant.get("uuids", [])),
                                                        int(grant.get("memory_bytes", 0)))  # fmt: skip
+                if proc.pid is not None:  # it started: what holds it is known, however its run ends
+                    isolation = proc.isolation
                 try:
                     outcome = await proc.run(runnable.task_line(lease), sink, lease.get("timeout_s"))
                     # a failure the program reported itself leaves it warm; a timeout or a crash does not
@@ -361,6 +390,8 @@ class Agent:
                 self._event_failures.pop((task_id, attempt), None)
                 return  # the controller asked us to stop: it already knows
             outcome = Outcome(False, error=reason)
+        except ScrubFailed as exc:
+            outcome = Outcome(False, error=exc.error)
         except Exception as exc:
             log.exception("task %s could not run", task_id)
             outcome = Outcome(
@@ -370,7 +401,7 @@ class Agent:
         completion = {
             "task_id": task_id, "attempt": attempt, "status": "succeeded" if outcome.succeeded else "failed",
             "output": outcome.output, "error": outcome.error, "run_s": outcome.run_s, "started_at": outcome.started_at,
-            "isolation": outcome.isolation,  # what held its process: containment.py
+            "isolation": outcome.isolation or isolation,  # what held and confined its process
         }  # fmt: skip
         self._completions.append(checked_completion(completion))
         self._completions_ready.set()
@@ -389,6 +420,63 @@ class Agent:
         note = {"event": "log", "stream": "turnout", "line": f"event dropped: {error['message']}"}
         self._events.append({"task_id": task_id, "attempt": attempt, "event": note})
         self._events_ready.set()
+
+    async def _hand_over(self, task_id: str, grant: dict[str, Any], tenant: str) -> None:
+        """Make the grant's GPUs fit for `tenant`: close other tenants' idle processes on them, then scrub.
+
+        Raises ScrubFailed (after quarantining the GPU) when a scrub fails. Scrubs are audited before the
+        task starts. Without a scrub command only the idle processes are closed.
+        """
+        uuids = sorted(grant.get("uuids", []))
+        if not uuids:
+            return
+        async with contextlib.AsyncExitStack() as held:
+            for uuid in uuids:  # sorted: two tasks never wait on each other's locks
+                await held.enter_async_context(self._unit_locks.setdefault(uuid, asyncio.Lock()))
+            dirty = self.ledger.to_scrub(uuids, tenant)
+            if not dirty:
+                return
+            await self._close_idle_on({uuid for uuid, _ in dirty})
+            for uuid, previous in dirty:
+                if self.settings.scrub_command:
+                    result = await run_scrub(self.settings.scrub_command, uuid)
+                    self._scrubs.append({"gpu": uuid, "task_id": task_id, "tenant": tenant,
+                                         "previous_tenant": previous, "ok": result.ok,
+                                         "seconds": round(result.seconds, 3), "message": result.message})  # fmt: skip
+                    await self._post_scrubs()
+                    if not result.ok:
+                        self.watch.quarantine(uuid, f"GPU scrub failed: {result.message}")
+                        self._beat_now.set()
+                        raise ScrubFailed({"type": "gpu_scrub_failed",
+                                           "message": f"GPU {uuid} could not be scrubbed before this task "
+                                                      f"({result.message}); it is quarantined, and the task "
+                                                      "goes to another GPU"})  # fmt: skip
+                self.ledger.hand_over([uuid], tenant)
+
+    async def _post_scrubs(self) -> None:
+        """Deliver the queued scrub records (the audit of each hand-over); returns once each is settled."""
+        async with self._scrubs_lock:  # concurrent hand-overs on other GPUs: each record is posted once
+            await self._post_batch(self._scrubs, "scrubs", "scrubs", lambda _item, _refusal: None)
+
+    async def _close_idle_on(self, uuids: set[str]) -> None:
+        """Close warm idle processes started on any of these GPUs (they hold the last tenant's memory)."""
+        for r in self.runnables.values():
+            for key, stack in list(r.pool.idle.items()):
+                if key and set(key[0].split(",")) & uuids:
+                    procs, stack[:] = list(stack), []
+                    for proc in procs:
+                        await proc.close()
+
+    async def _acquire(
+        self, runnable: Runnable, key: tuple[str, ...], task_id: str, tenant: str
+    ) -> ProtocolProcess:
+        """A process for the task; a warm one that served another tenant is closed, never reused."""
+        proc = await runnable.pool.acquire(key, task_id)
+        while self._proc_tenant.get(proc, tenant) != tenant:
+            runnable.pool.release(proc, key, reusable=False)
+            proc = await runnable.pool.acquire(key, task_id)
+        self._proc_tenant[proc] = tenant
+        return proc
 
     async def _send_completions(self) -> None:
         await self._drain_forever(self._completions_ready, self._post_completions)

@@ -105,6 +105,10 @@ class GpuWatch:
             self._canary_thread.start()
         return self.last
 
+    def quarantine(self, uuid: str, reason: str) -> None:
+        for change in self.tracker.quarantine(uuid, reason, time.monotonic()):
+            log.warning("GPU %s quarantined: %s", change.uuid, change.reason)
+
     def quarantined(self) -> dict[str, str]:
         with self._lock:
             return self.tracker.quarantined()

@@ -11,11 +11,14 @@
           timeout_s: 600                          # for tasks that set no timeout
           min_processes: 0                        # session mode: warm processes kept
           idle_timeout_s: 60                      # session mode: idle processes above the minimum exit
+          isolation: sandbox                      # or none; default: the worker's --isolation
+          network: false                          # a sandbox has no network unless this is true
 
 The file is validated whole before anything starts; each error names the key (`models.llama.inference.
 resources.gpu_memory: ...`) and the file. The program gets the task's input as one JSON line on stdin
 and the contract's env (DESIGN.md, "Command workers and model presets"); it runs under `guard.py`, so its
-whole process tree dies with the worker.
+whole process tree dies with the worker. With `isolation: sandbox` it runs in bubblewrap (`sandboxed.py`);
+where no bubblewrap works, its tasks fail with `sandbox_unavailable`: it never runs unsandboxed instead.
 """
 
 from __future__ import annotations
@@ -38,12 +41,15 @@ from turnout.resources import parse_resources
 from turnout.worker import docker
 from turnout.worker.agent import Runnable
 from turnout.worker.guard import guarded_argv
+from turnout.worker.limits import Limits
 from turnout.worker.processes import OneOffPool, ProcessPool, ProtocolProcess, RefusedProcess
+from turnout.worker.sandbox import ENV_KEPT, Isolation, find_bwrap
+from turnout.worker.sandboxed import SandboxedProcess, SandboxHost, SandboxOptions, sandbox_host
 from turnout.worker.visibility import gpu_env
 
 DEFAULT_MODELS_DIR = Path("~/.turnout/models")
 INFERENCE_KEYS = ("command", "docker_image", "env_vars", "resources", "mode", "timeout_s", "min_processes",
-                  "idle_timeout_s")  # fmt: skip
+                  "idle_timeout_s", "isolation", "network")  # fmt: skip
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -63,6 +69,8 @@ class Preset:
     timeout_s: float | None
     min_processes: int = 0
     idle_timeout_s: float = 60.0
+    isolation: Isolation | None = None  # None: the worker's default
+    network: bool | None = None  # None: not said (a sandbox then has none)
 
 
 # ---- parsing ---------------------------------------------------------------------------------------
@@ -126,9 +134,18 @@ def _parse_inference(name: str, spec: Any, at: str) -> Preset:
     if min_processes and mode is Mode.ONE_OFF:
         raise _bad(f"{at}.min_processes", "only a session keeps warm processes; one-off starts one per task")
     idle_timeout_s = _number(spec.get("idle_timeout_s", 60.0), f"{at}.idle_timeout_s")
+    isolation = spec.get("isolation")
+    if isolation is not None and isolation not in {i.value for i in Isolation}:
+        raise _bad(f"{at}.isolation", f"expected none or sandbox, got {isolation!r}")
+    network = spec.get("network")
+    if network is not None and not isinstance(network, bool):
+        raise _bad(f"{at}.network", f"expected true or false, got {network!r}")
+    if network is False and isolation == Isolation.NONE.value:
+        raise _bad(f"{at}.network", "only a sandbox can take the network away: set isolation: sandbox")
     device = Device.GPU if resources.wants_gpu else Device.CPU
     return Preset(name, Variant(name, device, resources), command, image, _env_vars(spec.get("env_vars"), f"{at}.env_vars"),
-                  mode, timeout_s, min_processes, idle_timeout_s)  # fmt: skip
+                  mode, timeout_s, min_processes, idle_timeout_s, Isolation(isolation) if isolation else None,
+                  network)  # fmt: skip
 
 
 def _command(value: Any, at: str) -> tuple[str, ...] | None:
@@ -182,19 +199,35 @@ def preset_runnables(
     *,
     models_dir: Path | None = None,
     engine_answers: Callable[[], bool] = docker.engine_answers,
+    sandbox: SandboxOptions | None = None,
 ) -> list[Runnable]:
     """One Runnable per preset: a pool of guarded commands or containers speaking the event protocol."""
     root = Path(models_dir or DEFAULT_MODELS_DIR).expanduser()
+    options = sandbox or SandboxOptions()
     presets = load_presets(path)
+    for p in presets:
+        if p.network is False and (p.isolation or options.default) is Isolation.NONE:
+            raise InvalidInput(f"models.{p.name}.inference.network: only a sandbox can take the network away, and "
+                               f"this worker's isolation is none: set isolation: sandbox (in {path})",
+                               field=f"models.{p.name}.inference.network")  # fmt: skip
     docker_ok = any(p.docker_image for p in presets) and engine_answers()  # asked once, before serving
     if docker_ok:
         docker.remove_stale_containers()  # what this host's dead workers left running
-    return [_runnable(p, base_env, root, docker_ok) for p in presets]
+    host: SandboxHost | str | None = None
+    if any((p.isolation or options.default) is Isolation.SANDBOX for p in presets):
+        found = find_bwrap()  # probed once, before serving: a sandbox that cannot start fails its tasks
+        host = found if isinstance(found, str) else sandbox_host(options, found)
+    return [_runnable(p, base_env, root, docker_ok, options, host) for p in presets]
 
 
-def _runnable(preset: Preset, base_env: dict[str, str], models_dir: Path, docker_ok: bool) -> Runnable:
+def _runnable(preset: Preset, base_env: dict[str, str], models_dir: Path, docker_ok: bool,
+              options: SandboxOptions, host: SandboxHost | str | None) -> Runnable:  # fmt: skip
+    sandboxed = (preset.isolation or options.default) is Isolation.SANDBOX
+
     def launch(key: tuple[str, ...], task_id: str | None) -> ProtocolProcess:
-        return preset_process(preset, key, task_id, base_env, models_dir, docker_ok)
+        return preset_process(
+            preset, key, task_id, base_env, models_dir, docker_ok, host if sandboxed else None
+        )
 
     pool: ProcessPool
     if preset.mode is Mode.ONE_OFF:
@@ -226,8 +259,12 @@ def preset_process(
     base_env: Mapping[str, str],
     models_dir: Path,
     docker_ok: bool,
+    sandbox: SandboxHost | str | None = None,
 ) -> ProtocolProcess:
-    """The process for one task (one-off) or many (session): a container where an engine answers, else the command."""
+    """The process for one task (one-off) or many (session): a container where an engine answers, else the command.
+
+    `sandbox`: run the command in bubblewrap on this host, or (a string) why that cannot be done here.
+    """
     env = child_env(preset, key, task_id, models_dir)
     options: dict[str, Any] = {"lifeline_arg": True, "default_timeout_s": preset.timeout_s,
                                "one_task": preset.mode is Mode.ONE_OFF}  # fmt: skip
@@ -242,8 +279,23 @@ def preset_process(
         name = docker.container_name(preset.name)
         argv = docker.docker_argv(preset.docker_image, name=name, env_keys=list(inside), gpu_uuids=uuids,
                                   models_dir=models_dir)  # fmt: skip
-        return ProtocolProcess(
+        proc = ProtocolProcess(
             guarded_argv(argv), {**base_env, **inside}, cleanup_argv=docker.remove_argv(name), **options
         )
+        proc.isolation = {"mode": "docker", "image": preset.docker_image}
+        return proc
     command = list(preset.command or ())  # parse_presets guarantees a command where there is no image
-    return ProtocolProcess(guarded_argv(command), {**base_env, **env}, **options)
+    if isinstance(sandbox, str):
+        return RefusedProcess({"type": "sandbox_unavailable",
+                               "message": f"model {preset.name!r} must run sandboxed (isolation: sandbox), but no "
+                                          f"sandbox can start on this worker: {sandbox}"})  # fmt: skip
+    if sandbox is not None:
+        res = preset.variant.resources
+        indices = [int(i) for i in (key[1].split(",") if len(key) > 1 and key[1] else [])]
+        kept = {k: base_env[k] for k in ENV_KEPT if k in base_env}
+        return SandboxedProcess(sandbox, command, {**kept, **env}, gpu_indices=indices,
+                                network=bool(preset.network), limits=Limits(res.memory_bytes, res.cpu),
+                                read_only=[str(models_dir / preset.name)], **options)  # fmt: skip
+    proc = ProtocolProcess(guarded_argv(command), {**base_env, **env}, **options)
+    proc.isolation = {"mode": Isolation.NONE.value}
+    return proc

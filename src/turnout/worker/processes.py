@@ -65,6 +65,8 @@ class ProtocolProcess:
             cleanup_argv or []
         )  # run when killed alive, for what outlives the group (a container)
         self.contain = contain  # default: the worker's (`containment.current()`), resolved at start
+        # what held and confined it, recorded on its tasks: keys its maker knows (a sandbox's, a container's),
+        # set before `start`, joined at start by what containment applied (`launch.confirm`)
         self.isolation: Isolation | None = None
         self._cgroup: Path | None = None
         self.proc: asyncio.subprocess.Process | None = None
@@ -106,7 +108,7 @@ class ProtocolProcess:
             raise
         finally:
             os.close(read_end)
-        self.isolation = launch.confirm(self.proc.pid)
+        self.isolation = {**launch.confirm(self.proc.pid), **(self.isolation or {})}
         self._cgroup = launch.cgroup
         self._stderr_task = asyncio.create_task(self._read_stderr())
         self._exit_task = asyncio.create_task(self._kill_group_on_exit())

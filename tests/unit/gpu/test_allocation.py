@@ -193,3 +193,45 @@ def test_workload_label_stays_until_the_last_task_leaves() -> None:
     after = remove_grant(usage, share, "training")
     assert after["GPU-0"] == UnitUsage(GI, False, 1, frozenset({"training"}))
     assert remove_grant(after, share, None) == {}
+
+
+# ---- tenancy: one tenant at a time on a shared non-MIG GPU ------------------------------------------
+
+
+def _held_by(tenant: str, memory_gi: int = 10, exclusive: bool = False) -> UnitUsage:
+    return UnitUsage(memory_gi * GI, exclusive, 1, frozenset(), frozenset({tenant}))
+
+
+MIG_UNITS = units_of([GpuDevice(0, "GPU-M", "A100-40GB", 40 * GI, compute_capability="8.0", mig_mode=True,
+                               mig_devices=(MigDevice("MIG-a", "3g.20gb", 20 * GI), MigDevice("MIG-b", "3g.20gb", 20 * GI)))])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("units", "usage", "request_", "expected"),
+    [
+        ([gpu(0), gpu(1)], {"GPU-0": _held_by("acme")}, GpuRequest(memory_bytes=GI, tenant="globex"), ("GPU-1",)),
+        ([gpu(0)], {"GPU-0": _held_by("acme")}, GpuRequest(memory_bytes=GI, tenant="globex"), None),
+        ([gpu(0)], {"GPU-0": _held_by("acme")}, GpuRequest(fraction=0.1, tenant="globex"), None),
+        ([gpu(0), gpu(1)], {"GPU-0": _held_by("acme")}, GpuRequest(memory_bytes=GI, tenant="acme"), ("GPU-0",)),
+        ([gpu(0)], {"GPU-0": _held_by("acme")}, GpuRequest(memory_bytes=GI), ("GPU-0",)),
+        ([gpu(0), gpu(1)], {"GPU-0": _held_by("acme")}, GpuRequest(count=1, tenant="globex"), ("GPU-1",)),
+        (MIG_UNITS, {"MIG-a": _held_by("acme", 20, True)}, GpuRequest(memory_bytes=GI, tenant="globex"), ("MIG-b",)),
+    ],
+    ids=["another tenant's share sends a share elsewhere", "and it waits when there is no elsewhere",
+         "a fraction too", "the same tenant packs onto it", "a request with no tenant (the simulator) is not bound",
+         "a whole GPU is its own", "a MIG device beside another tenant's is isolated by hardware"],
+)  # fmt: skip
+def test_a_shared_non_mig_gpu_holds_one_tenants_tasks_at_a_time(
+    units: list[GpuUnit], usage: dict[str, UnitUsage], request_: GpuRequest, expected: tuple[str, ...] | None
+) -> None:
+    grant = allocate(request_, units, usage)
+    assert (grant.uuids if grant else None) == expected
+
+
+def test_usage_from_grants_records_whose_tasks_hold_each_unit() -> None:
+    share = GpuGrant(("GPU-0",), (0,), GI, False, "A100-80GB", False)
+    usage = usage_from_grants([(share, None, "acme"), (share, "inference", "acme"), (share, None)])
+    assert usage["GPU-0"].tenants == frozenset({"acme"}) and usage["GPU-0"].tasks == 3
+    assert allocate(GpuRequest(memory_bytes=GI, tenant="globex"), [gpu(0)], usage) is None
+    emptied = remove_grant(remove_grant(remove_grant(usage, share, None), share, "inference"), share, None)
+    assert emptied == {}  # the last task leaving frees the unit for any tenant

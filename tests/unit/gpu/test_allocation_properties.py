@@ -55,6 +55,7 @@ requests = st.one_of(
         models=st.lists(st.sampled_from(("a100", "H100", "l4", "T4", "V100")), max_size=2).map(tuple),
         min_compute_capability=st.sampled_from([None, (8, 0), (9, 0)]),
         workload=st.sampled_from([None, "training", "inference"]),
+        tenant=st.sampled_from([None, "acme", "globex"]),
     )
 )
 strategies = st.sampled_from(list(Strategy))
@@ -71,7 +72,7 @@ def busy_hosts(
     for request in draw(st.lists(requests, max_size=12)):
         grant = allocate(request, units, usage, draw(strategies))
         if grant is not None:
-            usage = add_grant(usage, grant, request.workload)
+            usage = add_grant(usage, grant, request.workload, request.tenant)
             held.append((grant, request.workload))
     return units, usage, held
 
@@ -86,6 +87,7 @@ def _check_invariants(units: list[GpuUnit], usage: dict[str, UnitUsage]) -> None
         if unit.is_mig:
             assert used.tasks == 1 and used.exclusive, "a MIG device is given whole to one task"
         assert not {"training", "inference"} <= used.workloads
+        assert len(used.tenants) <= 1, "two tenants share one GPU's memory"
         assert unit.healthy
 
 
@@ -121,7 +123,7 @@ def test_a_grant_honours_health_models_capability_and_never_names_a_mig_parent(
     feasible_ranks = [model_rank(request, u) for u, g in zip(units, alone, strict=True) if g is not None]
     if request.count <= 1 and feasible_ranks:
         assert model_rank(request, by_uuid[grant.uuids[0]]) == min(r for r in feasible_ranks if r is not None)
-    _check_invariants(units, add_grant(usage, grant, request.workload))
+    _check_invariants(units, add_grant(usage, grant, request.workload, request.tenant))
 
 
 @settings(max_examples=150, deadline=None)
@@ -133,14 +135,14 @@ def test_add_then_remove_restores_the_prior_usage(
     grant = allocate(request, units, usage, strategy)
     if grant is None:
         return
-    after = remove_grant(add_grant(usage, grant, request.workload), grant, request.workload)
+    after = remove_grant(add_grant(usage, grant, request.workload, request.tenant), grant, request.workload)
     for uuid, prior in usage.items():
-        if request.workload is None or request.workload in prior.workloads:
-            assert after[uuid] == prior
-        else:  # a set cannot tell whether another task still has the label: kept (safe) until the unit empties
-            assert after[uuid].workloads - {request.workload} == prior.workloads
-            assert (after[uuid].memory_bytes, after[uuid].tasks, after[uuid].exclusive) == (
-                prior.memory_bytes, prior.tasks, prior.exclusive)  # fmt: skip
+        # a set cannot tell whether another task still has a label: kept (safe) until the unit empties
+        assert after[uuid].workloads - {request.workload} == prior.workloads - {request.workload}
+        assert after[uuid].tenants - {request.tenant} == prior.tenants - {request.tenant}
+        assert prior.workloads <= after[uuid].workloads and prior.tenants <= after[uuid].tenants
+        assert (after[uuid].memory_bytes, after[uuid].tasks, after[uuid].exclusive) == (
+            prior.memory_bytes, prior.tasks, prior.exclusive)  # fmt: skip
     assert set(after) == set(usage)
 
 

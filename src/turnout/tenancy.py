@@ -1,0 +1,232 @@
+"""Per-tenant limits and fairness: the `limits:` section of turnout.yaml, token buckets, round-robin queues.
+
+Pure: time comes in as an argument (or an injected clock), so the rules are tested as properties
+(tests/unit/test_tenancy.py) without sleeping. The API takes submission tokens before touching the
+database (a 429 costs a flooding tenant nothing and the others nothing); the controller takes GPU
+allocation tokens and checks the GPU quota where it allocates, at lease time.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
+
+from turnout.access import check_tenant_name
+from turnout.errors import InvalidInput, RateLimited
+
+T = TypeVar("T")
+DEFAULT_KEY = "*"
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """One tenant's limits; None = unlimited. Units are in the names."""
+
+    submit_per_s: float | None = None  # tasks accepted per second (a batch of N counts N)
+    gpu_allocations_per_min: float | None = None  # GPU grants per minute, by the allocator
+    max_gpus: float | None = None  # GPUs held at once (a share counts its fraction)
+
+
+@dataclass(frozen=True)
+class LimitsTable:
+    """`limits:` from turnout.yaml: named tenants, and `"*"` for every tenant not named."""
+
+    default: TenantLimits = field(default_factory=TenantLimits)
+    tenants: Mapping[str, TenantLimits] = field(default_factory=dict)
+
+    def of(self, tenant: str) -> TenantLimits:
+        return self.tenants.get(tenant, self.default)
+
+    @property
+    def any_gpu_quota(self) -> bool:
+        return any(t.max_gpus is not None for t in (self.default, *self.tenants.values()))
+
+
+_KEYS = tuple(f.name for f in fields(TenantLimits))
+
+
+def parse_limits(raw: Any, source: str | None = None) -> LimitsTable:
+    """Validate the whole `limits:` section at once; an error names the file and the key (`limits.acme.max_gpus`).
+
+    A named tenant's missing keys take the `"*"` entry's values; with no `"*"` entry, missing means unlimited.
+    """
+    prefix = f"{source}: " if source else ""
+    if raw is None:
+        return LimitsTable()
+    if not isinstance(raw, dict):
+        raise InvalidInput(f"{prefix}limits: expected a mapping of tenant to limits", field="limits")
+    parsed: dict[str, dict[str, float]] = {}
+    for tenant, entry in raw.items():
+        key = f"limits.{tenant}"
+        if tenant != DEFAULT_KEY:
+            try:
+                check_tenant_name(tenant, key)
+            except InvalidInput as exc:
+                raise InvalidInput(f"{prefix}{exc.message}", field=key) from None
+        if entry is None:
+            entry = {}
+        if not isinstance(entry, dict):
+            raise InvalidInput(f"{prefix}{key}: expected a mapping with {', '.join(_KEYS)}", field=key)
+        values: dict[str, float] = {}
+        for name, value in entry.items():
+            where = f"{key}.{name}"
+            if name not in _KEYS:
+                raise InvalidInput(f"{prefix}{where}: unknown limit (use {', '.join(_KEYS)})", field=where)
+            minimum = 0.0 if name == "max_gpus" else None
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+                or (value < 0 if minimum is not None else value <= 0)
+            ):
+                need = "a number >= 0" if minimum is not None else "a number > 0"
+                raise InvalidInput(f"{prefix}{where}: expected {need}, got {value!r}", field=where)
+            values[name] = float(value)
+        parsed[str(tenant)] = values
+    default = TenantLimits(**parsed.get(DEFAULT_KEY, {}))
+    tenants = {
+        name: TenantLimits(**{**parsed.get(DEFAULT_KEY, {}), **values})
+        for name, values in parsed.items()
+        if name != DEFAULT_KEY
+    }
+    return LimitsTable(default, tenants)
+
+
+@dataclass
+class TokenBucket:
+    """`rate_per_s` tokens a second, holding at most `capacity`.
+
+    A request of n is admitted when the bucket holds n, or, for a request bigger than the whole bucket,
+    when the bucket is full (it then goes into debt, so a big batch is never refused for ever and the
+    long-run rate still holds). Over any interval of T seconds the admitted total is at most
+    capacity + rate_per_s * T + max(0, the largest request - capacity).
+    """
+
+    rate_per_s: float
+    capacity: float
+    level: float
+    updated_at: float
+
+    def _refill(self, now: float) -> None:
+        if now > self.updated_at:
+            self.level = min(self.capacity, self.level + (now - self.updated_at) * self.rate_per_s)
+            self.updated_at = now
+
+    def wait_s(self, n: float, now: float) -> float:
+        """Seconds until a request of n would be admitted; 0 = now. Takes nothing."""
+        self._refill(now)
+        need = min(n, self.capacity)
+        return 0.0 if self.level >= need - 1e-9 else (need - self.level) / self.rate_per_s
+
+    def take(self, n: float, now: float) -> float:
+        """Admit n now (returns 0) or return the seconds to wait, taking nothing."""
+        wait = self.wait_s(n, now)
+        if wait == 0.0:
+            self.level -= n
+        return wait
+
+
+Rule = Callable[[str], "tuple[float, float] | None"]  # tenant -> (rate per second, capacity), None = no limit
+
+
+class TenantBuckets:
+    """One token bucket per tenant, made on first use from `rule` (None: the tenant is not limited)."""
+
+    def __init__(self, rule: Rule, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rule = rule
+        self.clock = clock
+        self._buckets: dict[str, TokenBucket | None] = {}
+        self._lock = threading.Lock()
+
+    def _bucket(self, tenant: str, now: float) -> TokenBucket | None:
+        if tenant not in self._buckets:
+            spec = self.rule(tenant)
+            self._buckets[tenant] = None if spec is None else TokenBucket(spec[0], spec[1], spec[1], now)
+        return self._buckets[tenant]
+
+    def wait_s(self, tenant: str, n: float = 1) -> float:
+        with self._lock:
+            now = self.clock()
+            bucket = self._bucket(tenant, now)
+            return 0.0 if bucket is None else bucket.wait_s(n, now)
+
+    def take(self, tenant: str, n: float = 1) -> float:
+        with self._lock:
+            now = self.clock()
+            bucket = self._bucket(tenant, now)
+            return 0.0 if bucket is None else bucket.take(n, now)
+
+
+def submit_rule(limits: LimitsTable) -> Rule:
+    """Submissions: `submit_per_s` a second, bursts of one second's worth."""
+
+    def rule(tenant: str) -> tuple[float, float] | None:
+        rate = limits.of(tenant).submit_per_s
+        return None if rate is None else (rate, max(1.0, rate))
+
+    return rule
+
+
+def gpu_allocation_rule(limits: LimitsTable) -> Rule:
+    """GPU allocations: `gpu_allocations_per_min` a minute, bursts of one minute's worth."""
+
+    def rule(tenant: str) -> tuple[float, float] | None:
+        per_min = limits.of(tenant).gpu_allocations_per_min
+        return None if per_min is None else (per_min / 60.0, max(1.0, per_min))
+
+    return rule
+
+
+def admit_submission(
+    submissions: TenantBuckets, gpu_only: TenantBuckets, tenant: str, n: int, n_gpu_only: int
+) -> None:
+    """Take a tenant's tokens for n submissions, n_gpu_only of them GPU-only, or raise RateLimited (429).
+
+    Every task counts against `submit_per_s`; a task that can only run on a GPU (`gpu: require`) also
+    against `gpu_allocations_per_min`, so GPU work the allocator could not grant soon is refused at the
+    door. Both are checked before either is taken: a refused request costs the tenant nothing.
+    """
+    wait_submit = submissions.wait_s(tenant, n)
+    wait_gpu = gpu_only.wait_s(tenant, n_gpu_only) if n_gpu_only else 0.0
+    if wait_submit > 0 or wait_gpu > 0:
+        what, field = (
+            ("submit_per_s", None) if wait_submit >= wait_gpu else ("gpu_allocations_per_min", "gpu")
+        )
+        wait = max(wait_submit, wait_gpu)
+        raise RateLimited(
+            f"tenant {tenant!r} is over its {what}; retry after {wait:.2f} s", retry_after_s=wait, field=field
+        )
+    submissions.take(tenant, n)
+    if n_gpu_only:
+        gpu_only.take(tenant, n_gpu_only)
+
+
+def fair_order(tenants: Iterable[str], active: Mapping[str, int], turn: int) -> list[str]:
+    """Whose queue a shared worker looks at first: the tenant holding the fewest active tasks; among equals,
+    a rotation by `turn`, so no tenant is always first."""
+    names = sorted(tenants)
+    if not names:
+        return []
+    rotation = {name: (i - turn) % len(names) for i, name in enumerate(names)}
+    return sorted(names, key=lambda name: (active.get(name, 0), rotation[name]))
+
+
+def round_robin(sources: Iterable[Iterable[T]], start: int = 0) -> Iterator[T]:
+    """One item from each source in turn, beginning at source `start`: one tenant's deep queue cannot
+    push another tenant's tasks out of a lease. Sources are read lazily, one item at a time."""
+    iters = [iter(s) for s in sources]
+    if iters:
+        start %= len(iters)
+        iters = iters[start:] + iters[:start]
+    while iters:
+        alive = []
+        for it in iters:
+            for item in it:
+                yield item
+                alive.append(it)
+                break
+        iters = alive
