@@ -110,6 +110,9 @@ class ControllerSettings:
     lease_window: int = 200  # queued tasks looked at per lease request
     max_lease_wait_s: float = 30.0
     placement_policy: str = "fgd"  # which GPU worker a task goes to: fgd, bestfit, random
+    recheck_s: float = (
+        1.0  # a parked long poll looks again this often without a wake-up (long_poll_recheck_s)
+    )
     prices: Prices = field(default_factory=Prices)
     request_limits: RequestLimits = field(default_factory=RequestLimits)
     raw_config: dict[str, Any] = field(default_factory=dict)
@@ -167,7 +170,12 @@ def controller_settings(
         limits = replace(
             limits, **_fields_of(parse_request_limits(dict(limit_flags), "--request-limit"), limit_flags)
         )
-    return ControllerSettings(prices=prices, request_limits=limits, raw_config=raw, **overrides)
+    recheck = raw.get("long_poll_recheck_s", 1.0)
+    if isinstance(recheck, bool) or not isinstance(recheck, int | float) or not 0.05 <= recheck <= 300:
+        raise InvalidInput(f"long_poll_recheck_s: expected seconds in 0.05..300, got {recheck!r}",
+                           field="long_poll_recheck_s")  # fmt: skip
+    return ControllerSettings(prices=prices, request_limits=limits, raw_config=raw, recheck_s=float(recheck),
+                              **overrides)  # fmt: skip
 
 
 def _fields_of(limits: RequestLimits, names: Mapping[str, str]) -> dict[str, int]:

@@ -436,14 +436,22 @@ class Controller:
     # ---- results -----------------------------------------------------------------------------
 
     def complete(self, worker_id: str, completions: Sequence[Completion]) -> tuple[list[str], list[str]]:
-        """Commit results; returns (accepted, refused). Only the current attempt's report counts."""
+        """Commit results; returns (accepted, refused). Only the current attempt's report counts.
+
+        Idempotent: the same report sent again (its answer was lost on the way, and the worker re-sent it
+        after reconnecting) is accepted again, changing nothing.
+        """
         now = self.clock()
         tasks = {t.id: t for t in self.store.get_tasks(c.task_id for c in completions)}
         updates = []
         finished: list[Task] = []
         requeue: list[tuple[Task, dict[str, Any]]] = []
+        repeated: list[str] = []
         for c in completions:
             t = tasks.get(c.task_id)
+            if t is not None and _already_committed(t, worker_id, c):
+                repeated.append(t.id)
+                continue
             if (
                 t is None
                 or t.worker_id != worker_id
@@ -467,6 +475,7 @@ class Controller:
             finished.append(t)
         accepted = self.store.update_tasks(updates)
         accepted += self._requeue(requeue, now)
+        accepted += repeated
         done = set(accepted)
         for t in finished:
             if t.id in done:
@@ -629,6 +638,13 @@ class Controller:
                                                       "gpus": list(task.gpus.get("uuids", [])),
                                                       "memory_bytes": task.gpus.get("memory_bytes"),
                                                       "start": task.leased_at, "end": now})  # fmt: skip
+
+
+def _already_committed(task: Task, worker_id: str, c: Completion) -> bool:
+    """Whether `c` repeats the report that ended `task`: same worker, same attempt, same outcome."""
+    if task.worker_id != worker_id or task.attempts != c.attempt:
+        return False
+    return task.state is (TaskState.SUCCEEDED if c.succeeded else TaskState.FAILED)
 
 
 def _undelivered(task: Task) -> int:

@@ -26,6 +26,8 @@ from turnout.config import controller_settings
 from turnout.controller import Controller
 from turnout.errors import InvalidInput
 from turnout.store import open_store
+from turnout.store.notify import ReplicaBus
+from turnout.store.replicas import clock_for
 
 log = logging.getLogger("turnout")
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -68,7 +70,12 @@ def build_controller(
     token = None
     if auth:
         token = _admin_token(store, tokens, home, fresh_admin_token)
-    return ControllerParts(Service(Controller(store, settings), tokens, auth=auth), token)
+    # PostgreSQL may be shared by several replicas: they judge time by the database's clock, and wake each
+    # other's long polls (store/replicas.py, store/notify.py)
+    bus = ReplicaBus(store.url) if store.dialect == "postgresql" else None
+    controller = Controller(store, settings, clock=clock_for(store))
+    service = Service(controller, tokens, auth=auth, bus=bus, recheck_s=settings.recheck_s)
+    return ControllerParts(service, token)
 
 
 def _admin_token(store: object, tokens: TokenBook, home: Path, fresh: bool) -> str | None:

@@ -31,7 +31,7 @@ from turnout.api.schemas import (
     task_out,
     worker_out,
 )
-from turnout.api.service import POLL_S, Service, Signal
+from turnout.api.service import Service, Signal
 from turnout.api.strictjson import StrictJsonRoute, json_body
 from turnout.auth import ANONYMOUS_ADMIN, Principal
 from turnout.errors import InvalidInput
@@ -126,7 +126,7 @@ def create_app(service: Service) -> FastAPI:
             left = deadline - time.monotonic()
             if task.state.terminal or left <= 0:
                 return task_out(task)
-            await Signal.wait(signal, min(left, POLL_S))
+            await Signal.wait(signal, min(left, service.recheck_s))
 
     @app.post("/v1/tasks/{task_id}/cancel")
     async def cancel(task_id: str, p: Principal = need("submit")) -> dict[str, Any]:
@@ -185,7 +185,7 @@ def create_app(service: Service) -> FastAPI:
                     return
                 if await request.is_disconnected():
                     return
-                await Signal.wait(signal, POLL_S)
+                await Signal.wait(signal, service.recheck_s)
 
         return StreamingResponse(
             stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
@@ -285,7 +285,7 @@ def create_app(service: Service) -> FastAPI:
                     ],
                     "cancel": result.cancel,
                 }  # fmt: skip
-            await Signal.wait_any(signals, min(left, POLL_S))
+            await Signal.wait_any(signals, min(left, service.recheck_s))
 
     @app.post("/v1/workers/{worker_id}/complete")
     async def complete(worker_id: str, body: CompleteIn, p: Principal = need("worker")) -> dict[str, Any]:

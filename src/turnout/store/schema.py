@@ -116,6 +116,15 @@ capabilities = sa.Table(
     sa.Column("first_seen_at", sa.Float, nullable=False),
 )
 
+# one row per periodic sweep: which replica ran it last, and when (store/replicas.py: one replica per round)
+sweeps = sa.Table(
+    "sweeps",
+    metadata,
+    sa.Column("name", sa.String(64), primary_key=True),
+    sa.Column("holder", sa.String(64), nullable=False),
+    sa.Column("swept_at", sa.Float, nullable=False),
+)
+
 schema_migrations = sa.Table(
     "schema_migrations",
     metadata,

@@ -266,14 +266,17 @@ class SqlStore:
         if capabilities is None:
             capabilities = [name for (name,) in self._capabilities_queued()]
         caps = list(capabilities)
+        # PostgreSQL: rows another replica's lease holds are skipped, not waited for (replicas take different
+        # tasks instead of queueing behind each other); the conditional update still makes each claim once
+        queued = _QUEUED_SKIP_LOCKED if self.dialect == "postgresql" else _QUEUED
         with self._read() as conn:
-            rows = conn.execute(_QUEUED, {"caps": caps, "limit": limit, "offset": 0}).all()
+            rows = conn.execute(queued, {"caps": caps, "limit": limit, "offset": 0}).all()
         yield from (_task(r) for r in rows)
         total = max(limit, widen_to or 0)
         if len(rows) < limit or total <= limit:
             return
         with self._read() as conn:
-            more = conn.execute(_QUEUED, {"caps": caps, "limit": total - limit, "offset": limit}).all()
+            more = conn.execute(queued, {"caps": caps, "limit": total - limit, "offset": limit}).all()
         yield from (_task(r) for r in more)
 
     def _capabilities_queued(self) -> list[Any]:
@@ -525,6 +528,7 @@ _QUEUED = (
     .limit(sa.bindparam("limit"))
     .offset(sa.bindparam("offset"))
 )
+_QUEUED_SKIP_LOCKED = _QUEUED.with_for_update(skip_locked=True)
 _GET_WORKER = sa.select(W).where(W.c.id == sa.bindparam("id"))
 _LIVE_WORKERS = sa.select(W).where(W.c.state != WorkerState.GONE.value).order_by(W.c.registered_at)
 _ALL_WORKERS = sa.select(W).order_by(W.c.registered_at)
