@@ -27,6 +27,8 @@ app = typer.Typer(
 )
 token_app = typer.Typer(no_args_is_help=True, help="Make and revoke API tokens (admin).")
 app.add_typer(token_app, name="token")
+file_app = typer.Typer(no_args_is_help=True, help="Files for task inputs and outputs.")
+app.add_typer(file_app, name="file")
 out = Console()
 err = Console(stderr=True)
 
@@ -52,6 +54,20 @@ def main() -> None:
                 f"unexpected {type(exc).__name__}: {exc}", "please report this with the command you ran"
             )
         )
+
+
+@app.callback()
+def _options(
+    ca_cert: Path | None = typer.Option(
+        None,
+        "--ca-cert",
+        envvar="TURNOUT_CA_CERT",
+        help="PEM of a private CA that signed the controller's certificate.",
+    ),
+) -> None:
+    """Send every ML and data task to the hardware that suits it."""
+    if ca_cert is not None:  # read by every client this process makes (turnout.client.default_ca_cert)
+        os.environ["TURNOUT_CA_CERT"] = str(ca_cert)
 
 
 def _die(line: str) -> None:
@@ -89,6 +105,9 @@ def up(
     presets: Path | None = typer.Option(None, help="Model presets file served by the local worker."),
     config: Path | None = typer.Option(None, help="turnout.yaml: prices, pipelines, limits, escalation."),
     no_auth: bool = typer.Option(False, "--no-auth", help="No tokens (loopback only)."),
+    storage: Path | None = typer.Option(
+        None, "--storage", help="Directory for files (task inputs and outputs); default $TURNOUT_HOME/files."
+    ),
     request_limit: list[str] = typer.Option(
         [], "--request-limit", help="NAME=VALUE, repeatable: a request size limit, e.g. max_body_bytes=16Mi."
     ),
@@ -101,7 +120,8 @@ def up(
     _logging(verbose, log_format)
     state = _home(home)
     parts = build_controller(db=default_db(state), home=state, config=config, auth=not no_auth, host=host,
-                             fresh_admin_token=True, limit_flags=parse_limit_flags(request_limit))  # fmt: skip
+                             fresh_admin_token=True, limit_flags=parse_limit_flags(request_limit),
+                             storage=storage)  # fmt: skip
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     out.print(f"[bold]Turnout[/bold] controller at {url}  (state in {state})")
     if parts.admin_token:
@@ -149,6 +169,11 @@ def controller(
     tls_cert: Path | None = typer.Option(None, help="PEM certificate for HTTPS."),
     tls_key: Path | None = typer.Option(None, help="PEM key for HTTPS."),
     heartbeat_s: float = typer.Option(5.0, help="Default worker heartbeat period."),
+    storage: Path | None = typer.Option(
+        None,
+        "--storage",
+        help="Directory for files (task inputs and outputs); default $TURNOUT_HOME/files; replicas share one.",
+    ),
     request_limit: list[str] = typer.Option(
         [], "--request-limit", help="NAME=VALUE, repeatable: a request size limit, e.g. max_body_bytes=16Mi."
     ),
@@ -163,7 +188,8 @@ def controller(
         raise InvalidInput("--tls-cert and --tls-key go together", field="tls-cert")
     state = _home(home)
     parts = build_controller(db=db or default_db(state), home=state, config=config, auth=not no_auth, host=host,
-                             heartbeat_s=heartbeat_s, limit_flags=parse_limit_flags(request_limit))  # fmt: skip
+                             heartbeat_s=heartbeat_s, limit_flags=parse_limit_flags(request_limit),
+                             storage=storage)  # fmt: skip
     if parts.admin_token:
         out.print(f"admin token: {parts.admin_token}  (saved to {state / 'admin.token'})")
     scheme = "https" if tls_cert else "http"
@@ -203,6 +229,15 @@ def worker(
         help="Kernel mechanisms that end task processes with the worker: auto, none, or a list of "
         "pdeathsig,cgroup,pid_namespace.",
     ),
+    ca_cert: Path | None = typer.Option(
+        None,
+        "--ca-cert",
+        envvar="TURNOUT_CA_CERT",
+        help="PEM of a private CA that signed the controller's certificate.",
+    ),
+    storage: Path | None = typer.Option(
+        None, "--storage", help="The controller's file storage, mounted here (NFS): files move without HTTP."
+    ),
     log_format: str = typer.Option("text", "--log-format", help=LOG_FORMAT_HELP),
     verbose: bool = typer.Option(False, "-v", "--verbose"),
 ) -> None:
@@ -234,7 +269,8 @@ def worker(
     settings = AgentSettings(controller_url=controller_url or default_url(), token=token or default_token(),
                              name=name or socket.gethostname(), gpus=gpus, strategy=strategy, cpus=cpus,
                              heartbeat_s=heartbeat_s, canary_command=shlex.split(canary) if canary else None,
-                             canary_backoff_s=canary_backoff_s)  # fmt: skip
+                             canary_backoff_s=canary_backoff_s, ca_cert=ca_cert,
+                             storage=storage.expanduser() if storage else None)  # fmt: skip
     run_agent_until_signalled(Agent(settings, runnables))
 
 
@@ -268,6 +304,9 @@ def submit(
     follow: bool = typer.Option(False, "--follow", "-f", help="Stream events as they come."),
     timeout_s: float | None = typer.Option(None, help="Fail the task after this many seconds of running."),
     priority: int = typer.Option(0),
+    file: list[str] = typer.Option(
+        [], "--file", help='NAME=PATH, repeatable: upload PATH and put {"$file": ID} at input NAME.'
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the task (or tasks) as JSON."),
 ) -> None:
     """Submit a task; with --follow, stream its events; with --inputs, submit a batch with progress bars."""
@@ -280,8 +319,12 @@ def submit(
     if inputs is not None:
         _submit_many(capability, inputs, options, wait or follow, as_json)
         return
+    data = _json_arg(input, "--input")
+    named = [_file_flag(f) for f in file]
     with _client() as client:
-        handle = client.submit(capability, _json_arg(input, "--input"), **options)
+        for name, path in named:
+            data = _with_file(data, name, client.upload(path)["id"])
+        handle = client.submit(capability, data, **options)
         if not (wait or follow):
             out.print_json(
                 json.dumps(handle.task if as_json else {"id": handle.id, "state": handle.task["state"]})
@@ -298,6 +341,22 @@ def submit(
         _print_task(task)
     if task["state"] != "succeeded":
         raise typer.Exit(1)
+
+
+def _file_flag(flag: str) -> tuple[str, Path]:
+    """`--file NAME=PATH` -> (NAME, PATH), the file checked before anything is uploaded."""
+    name, sep, path = flag.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise InvalidInput(f"--file: expected NAME=PATH, got {flag!r}", field="file")
+    if not Path(path).expanduser().is_file():
+        raise InvalidInput(f"--file: {path} is not a readable file", field="file")
+    return name.strip(), Path(path).expanduser()
+
+
+def _with_file(data: Any, name: str, file_id: str) -> Any:
+    from turnout.files import file_ref, set_field
+
+    return set_field(data, name, file_ref(file_id))
 
 
 def _submit_many(capability: str, path: Path, options: dict[str, Any], wait: bool, as_json: bool) -> None:
@@ -479,6 +538,51 @@ def token_revoke(token_id: str) -> None:
     with _client() as client:
         client.request("DELETE", f"/v1/tokens/{token_id}")
     out.print(f"{token_id}: revoked")
+
+
+@file_app.command("put")
+def file_put(
+    path: Path, name: str | None = typer.Option(None, help="Name to record (default: the file's).")
+) -> None:
+    """Upload a file (streamed); prints {id, size, sha256, ...}. Use {"$file": ID} in a task's input."""
+    if not path.is_file():
+        raise InvalidInput(f"file put: {path} is not a readable file", field="path")
+    with _client() as client:
+        body = client.upload(path, name)
+    out.print_json(json.dumps(body))
+
+
+@file_app.command("get")
+def file_get(
+    file_id: str,
+    output: Path | None = typer.Option(
+        None, "--output", "-o", help="Where to write it (default: ./ID; - for stdout)."
+    ),
+) -> None:
+    """Download a file (streamed, its sha256 checked)."""
+    import tempfile
+
+    with _client() as client:
+        if str(output) == "-":
+            with tempfile.TemporaryDirectory() as tmp:
+                got = client.download(file_id, Path(tmp) / "file")
+                with open(got["path"], "rb") as fh:
+                    while chunk := fh.read(1024 * 1024):
+                        sys.stdout.buffer.write(chunk)
+                sys.stdout.buffer.flush()
+            return
+        got = client.download(file_id, output or Path(file_id))
+    err.print(
+        f"{got['path']}: {got['size']} bytes, sha256 {got['sha256']} (checked)", markup=False, highlight=False
+    )
+
+
+@file_app.command("delete")
+def file_delete(file_id: str) -> None:
+    """Delete a file now (files also expire after the controller's file_retention_s)."""
+    with _client() as client:
+        client.delete_file(file_id)
+    out.print(f"{file_id}: deleted")
 
 
 @app.command()

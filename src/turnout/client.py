@@ -21,6 +21,7 @@ import httpx
 from turnout.config import DEFAULT_PORT
 from turnout.errors import HTTP_STATUS, InvalidInput, RateLimited, TurnoutError, Unavailable
 from turnout.jsonsafe import problem
+from turnout.tls import tls_verify
 
 T = TypeVar("T")
 TERMINAL = {"succeeded", "failed", "cancelled"}
@@ -29,6 +30,12 @@ _BY_STATUS: dict[int, type[TurnoutError]] = {code: cls for cls, code in HTTP_STA
 
 def default_url() -> str:
     return os.environ.get("TURNOUT_URL") or f"http://127.0.0.1:{DEFAULT_PORT}"
+
+
+def default_ca_cert() -> Path | None:
+    """A private CA to trust for an https controller: `TURNOUT_CA_CERT` (a PEM file), else the system's."""
+    value = os.environ.get("TURNOUT_CA_CERT")
+    return Path(value).expanduser() if value else None
 
 
 def default_token() -> str | None:
@@ -89,12 +96,23 @@ class AsyncTaskHandle:
 
 
 class AsyncClient:
-    def __init__(self, url: str | None = None, token: str | None = None, *, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        timeout_s: float = 30.0,
+        ca_cert: str | Path | None = None,
+    ) -> None:
         self.url = (url or default_url()).rstrip("/")
         token = token or default_token()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        ca = Path(ca_cert).expanduser() if ca_cert else default_ca_cert()
         self.http = httpx.AsyncClient(
-            base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout_s, read=None)
+            base_url=self.url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout_s, read=None),
+            verify=tls_verify(ca),
         )
 
     async def __aenter__(self) -> AsyncClient:
@@ -148,6 +166,28 @@ class AsyncClient:
 
     async def capabilities(self) -> list[dict[str, Any]]:
         return (await self.request("GET", "/v1/capabilities"))["capabilities"]
+
+    async def upload(self, path: str | Path, name: str | None = None) -> dict[str, Any]:
+        """Upload a file (streamed from disk); returns `{id, name, size, sha256, ...}`. Put `{"$file": id}`
+        in a task's input to hand it to the task."""
+        from turnout.files import upload
+
+        try:
+            return await upload(self.http, Path(path), name=name)
+        except httpx.ConnectError as exc:
+            raise Unavailable(f"cannot reach the Turnout controller at {self.url}: {exc}") from None
+
+    async def download(self, file_id: str, dest: str | Path) -> dict[str, Any]:
+        """Download a file to `dest` (streamed to disk, its sha256 checked); returns `{id, size, sha256, path}`."""
+        from turnout.files import download
+
+        try:
+            return await download(self.http, file_id, Path(dest))
+        except httpx.ConnectError as exc:
+            raise Unavailable(f"cannot reach the Turnout controller at {self.url}: {exc}") from None
+
+    async def delete_file(self, file_id: str) -> dict[str, Any]:
+        return await self.request("DELETE", f"/v1/files/{file_id}")
 
     async def run_pipeline(self, name: str, input: Any, **options: Any) -> dict[str, Any]:
         return await self.request("POST", f"/v1/pipelines/{name}/runs", json={"input": input, **options})
@@ -252,9 +292,16 @@ class TaskHandle:
 class Client:
     """Blocking facade over `AsyncClient`: the same methods, one implementation."""
 
-    def __init__(self, url: str | None = None, token: str | None = None, *, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        timeout_s: float = 30.0,
+        ca_cert: str | Path | None = None,
+    ) -> None:
         self._loop = _Loop()
-        self._async = self._loop.run(_make_async(url, token, timeout_s))
+        self._async = self._loop.run(_make_async(url, token, timeout_s, ca_cert))
         self.url = self._async.url
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -282,12 +329,15 @@ class Client:
         return TaskHandle(self, AsyncTaskHandle(self._async, {"id": task_id}))
 
     def __getattr__(self, name: str) -> Any:
-        """get_task, get_result, cancel, tasks, workers, capabilities, run_pipeline: run the async twin."""
+        """get_task, get_result, cancel, tasks, workers, capabilities, run_pipeline, upload, download,
+        delete_file: run the async twin."""
         method = getattr(self._async, name)
         if not asyncio.iscoroutinefunction(method):
             raise AttributeError(name)
         return lambda *a, **kw: self._run(method(*a, **kw))
 
 
-async def _make_async(url: str | None, token: str | None, timeout_s: float) -> AsyncClient:
-    return AsyncClient(url, token, timeout_s=timeout_s)
+async def _make_async(
+    url: str | None, token: str | None, timeout_s: float, ca_cert: str | Path | None
+) -> AsyncClient:
+    return AsyncClient(url, token, timeout_s=timeout_s, ca_cert=ca_cert)

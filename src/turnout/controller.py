@@ -19,6 +19,7 @@ from typing import Any
 from turnout import placement
 from turnout.config import ControllerSettings
 from turnout.errors import Conflict, IdempotencyConflict, InvalidInput, NotFound
+from turnout.files import refs_in
 from turnout.gpu.allocation import (
     GpuGrant,
     add_grant,
@@ -38,6 +39,7 @@ from turnout.models import (
 )
 from turnout.routing import ClusterView, Route, WorkerOffer, route, servable
 from turnout.store import SqlStore
+from turnout.store.files import FileRecords
 
 log = logging.getLogger("turnout.controller")
 
@@ -104,6 +106,7 @@ class Controller:
         for spec, prefix, waits in zip(specs, where, patient, strict=True):
             if not waits:
                 self._check_known(spec.capability, f"{prefix}capability")
+        self._check_files(tenant, specs, where)
         now = self.clock()
         tasks = [
             Task(
@@ -131,6 +134,18 @@ class Controller:
             "that will register later, set placement_timeout_s",
             field=field_name,
         )
+
+    def _check_files(self, tenant: str, specs: Sequence[TaskSpec], where: Sequence[str]) -> None:
+        """Every `{"$file": ID}` in the inputs names a file of this tenant (another tenant's is not there)."""
+        refs = [(f"{prefix}{path}", file_id) for spec, prefix in zip(specs, where, strict=True)
+                for path, file_id in refs_in(spec.input)]  # fmt: skip
+        if not refs:
+            return
+        owned = FileRecords(self.store).owned({file_id for _, file_id in refs}, tenant)
+        for path, file_id in refs:
+            if file_id not in owned:
+                raise InvalidInput(f"{path}: no file {file_id!r} (upload it with POST /v1/files or "
+                                   "`turnout file put`)", field=path)  # fmt: skip
 
     def _remember_capabilities(self, variants: Sequence[Variant], now: float) -> None:
         names = {v.capability for v in variants} - self._known

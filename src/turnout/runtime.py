@@ -57,13 +57,17 @@ def build_controller(
     heartbeat_s: float = 5.0,
     fresh_admin_token: bool = False,
     limit_flags: Mapping[str, str] | None = None,
+    storage: Path | None = None,
 ) -> ControllerParts:
     if not auth and host not in LOOPBACK:
         raise InvalidInput(
             f"--no-auth is refused unless the controller listens on loopback only (not {host})",
             field="no-auth",
         )
-    settings = controller_settings(config, heartbeat_s=heartbeat_s, limit_flags=limit_flags)
+    files_dir = Path(storage).expanduser() if storage else home / "files"  # task inputs and outputs
+    settings = controller_settings(
+        config, heartbeat_s=heartbeat_s, limit_flags=limit_flags, storage_dir=files_dir
+    )
     private_dir(home)
     store = open_store(db)
     tokens = TokenBook(store)

@@ -13,7 +13,7 @@ from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.responses import StreamingResponse
 
 from turnout import __version__
-from turnout.api import dashboard, errors, lifeline
+from turnout.api import dashboard, errors, files, lifeline
 from turnout.api import metrics as prometheus
 from turnout.api.limits import BodyLimit
 from turnout.api.schemas import (
@@ -351,6 +351,7 @@ def create_app(service: Service) -> FastAPI:
     app.include_router(prometheus.router(service, metrics))
     app.include_router(lifeline.router(service, need("worker")))
     dashboard.install(app, service, need, scope)
+    files.install(app, service, scope)  # /v1/files (api/files.py)
 
     return app
 

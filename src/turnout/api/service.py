@@ -159,6 +159,7 @@ class Service:
         self._lifelines: dict[str, int] = {}  # worker id -> held connections open now
         self._lifeline_epoch: dict[str, int] = {}  # worker id -> connections ever opened
         self._background: set[asyncio.Task[Any]] = set()
+        self._later: list[Callable[[], Coroutine[Any, Any, None]]] = []  # started with the service
         self.closing = asyncio.Event()  # set when the controller begins to stop: held connections end cleanly
 
     # ---- the database thread -------------------------------------------------------------------
@@ -349,6 +350,10 @@ class Service:
         except Exception:  # the heartbeat judgement still applies later
             log.exception("re-queueing the tasks of worker %s (connection closed) failed", worker_id)
 
+    def run_in_background(self, start: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run `start()` from `start()` of the service until it stops (e.g. the files' retention sweep)."""
+        self._later.append(start)
+
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
@@ -358,6 +363,8 @@ class Service:
 
     async def start(self) -> None:
         self._reaper = asyncio.create_task(self._sweep_forever())
+        for start in self._later:
+            self._spawn(start())
         if self.bus is not None:
             loop = asyncio.get_running_loop()
 

@@ -52,12 +52,17 @@ def _sweeps(conn: sa.Connection) -> None:
     schema.sweeps.create(conn, checkfirst=True)
 
 
+def _files(conn: sa.Connection) -> None:
+    schema.files.create(conn, checkfirst=True)
+
+
 MIGRATIONS: list[Migration] = [
     (1, "initial tables", _initial),
     (2, "lease-order index; JSON null as SQL NULL", _queue_order_and_nulls),
     (3, "tasks.isolation: what held a task's processes", _task_isolation),
     (4, "capabilities ever registered, from the workers so far", _known_capabilities),
     (5, "sweeps: which replica ran each periodic sweep last", _sweeps),
+    (6, "files: task inputs and outputs", _files),
 ]
 
 

@@ -14,11 +14,13 @@ import contextlib
 import json
 import logging
 import os
+import random
 import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -29,8 +31,10 @@ from turnout.gpu.allocation import GpuRequest, fits_ever
 from turnout.gpu.devices import GpuDevice, units_of
 from turnout.gpu.provider import Discovery, discover
 from turnout.models import Device, Variant
+from turnout.tls import tls_verify
 from turnout.worker.app import HandlerVariant, WorkerApplication
 from turnout.worker.delivery import Refusal, Replace, deliver
+from turnout.worker.files import TaskFileError, WorkerFiles
 from turnout.worker.gpuwatch import GpuWatch, SharedTask, memory_over_limit, process_tree
 from turnout.worker.processes import Outcome, ProcessPool, ProtocolProcess
 from turnout.worker.reports import (
@@ -62,6 +66,9 @@ class AgentSettings:
     drain_grace_s: float = 30.0
     canary_command: list[str] | None = None  # re-admits a quarantined GPU when it exits 0
     canary_backoff_s: float = 30.0  # first wait before a quarantined GPU's canary; doubles on failure
+    ca_cert: Path | None = None  # trust this CA (PEM) for an https controller, e.g. a private one
+    storage: Path | None = None  # the controller's file storage, mounted here: files move without HTTP
+    lease_wait_s: float = 20.0  # how long one lease request waits for work at the controller
 
 
 @dataclass
@@ -98,7 +105,13 @@ def _python_pool(app_ref: str, hv: HandlerVariant, base_env: dict[str, str]) -> 
 
 def _wrapped_line(lease: dict[str, Any]) -> str:
     return json.dumps({"task_id": lease["id"], "attempt": lease["attempt"], "input": lease["input"],
-                       "gpus": list((lease.get("gpus") or {}).get("uuids", []))})  # fmt: skip
+                       "gpus": list((lease.get("gpus") or {}).get("uuids", [])),
+                       "files": lease.get("files") or {}, "output_dir": lease.get("output_dir")})  # fmt: skip
+
+
+def jittered(delay_s: float) -> float:
+    """Half to all of `delay_s`: workers cut off together do not all come back in the same instant."""
+    return delay_s * (0.5 + random.random() / 2)
 
 
 def grant_key(grant: dict[str, Any] | None) -> tuple[str, ...]:
@@ -135,7 +148,9 @@ class Agent:
         self._stop_reason: dict[str, dict[str, Any]] = {}  # why the worker itself stopped a task
         headers = {"Authorization": f"Bearer {settings.token}"} if settings.token else {}
         self.http = httpx.AsyncClient(base_url=settings.controller_url.rstrip("/"), headers=headers,
-                                      timeout=httpx.Timeout(10.0, read=90.0), transport=transport)  # fmt: skip
+                                      timeout=httpx.Timeout(10.0, read=90.0), transport=transport,
+                                      verify=tls_verify(settings.ca_cert))  # fmt: skip
+        self.files = WorkerFiles(self.http, storage=settings.storage)
         self.worker_id: str | None = None
         self.running: dict[str, asyncio.Task[None]] = {}
         self._completions: list[dict[str, Any]] = []
@@ -200,6 +215,7 @@ class Agent:
         for r in self.runnables.values():
             await r.pool.close()
         await self.http.aclose()
+        self.files.close()
 
     async def register(self) -> None:
         body = {
@@ -233,7 +249,7 @@ class Agent:
                 log.warning(
                     "controller not reachable at %s (%s); retrying", self.settings.controller_url, exc
                 )
-                await asyncio.sleep(delay)
+                await asyncio.sleep(jittered(delay))
                 delay = min(delay * 2, 5.0)
 
     # ---- loops ---------------------------------------------------------------------------------
@@ -244,8 +260,10 @@ class Agent:
             try:
                 metrics = await asyncio.get_running_loop().run_in_executor(None, self._metrics)
                 self._enforce_memory_limits()
+                # bounded by the period: a beat stuck on a dead connection must not hold back the next ones
                 resp = await self.http.post(f"/v1/workers/{self.worker_id}/heartbeat",
-                                            json={"metrics": metrics, "quarantined": self.watch.quarantined()})  # fmt: skip
+                                            json={"metrics": metrics, "quarantined": self.watch.quarantined()},
+                                            timeout=max(2.0, 2 * self.settings.heartbeat_s))  # fmt: skip
                 if resp.status_code == 404:
                     await self.register()
             except httpx.HTTPError as exc:
@@ -292,9 +310,11 @@ class Agent:
                     # lease this worker does not list (its answer was lost), so list all it still holds
                     json={
                         "max_tasks": self.settings.max_lease,
-                        "wait_s": 20,
+                        "wait_s": self.settings.lease_wait_s,
                         "running": [*self.running, *(c["task_id"] for c in self._completions)],
                     },
+                    # an answer lost on a dead connection is given up soon after the controller would have sent it
+                    timeout=httpx.Timeout(10.0, read=self.settings.lease_wait_s + 15.0),
                 )
                 if resp.status_code == 404:
                     await self.register()
@@ -303,7 +323,7 @@ class Agent:
                 delay = 0.2
             except httpx.HTTPError as exc:
                 log.warning("lease failed: %s", exc)
-                await asyncio.sleep(delay)
+                await asyncio.sleep(jittered(delay))
                 delay = min(delay * 2, 5.0)
                 continue
             body = resp.json()
@@ -340,20 +360,7 @@ class Agent:
                     },
                 )
             else:
-                key = grant_key(lease.get("gpus"))
-                proc = await runnable.pool.acquire(key, task_id)
-                reusable = False
-                grant = lease.get("gpus") or {}
-                if grant and not grant.get("exclusive") and proc.pid:
-                    self._shared[task_id] = SharedTask(task_id, proc.pid, tuple(grant.get("uuids", [])),
-                                                       int(grant.get("memory_bytes", 0)))  # fmt: skip
-                try:
-                    outcome = await proc.run(runnable.task_line(lease), sink, lease.get("timeout_s"))
-                    # a failure the program reported itself leaves it warm; a timeout or a crash does not
-                    reusable = proc.alive and (outcome.error or {}).get("type") not in PROCESS_FAULTS
-                finally:
-                    self._shared.pop(task_id, None)
-                    runnable.pool.release(proc, key, reusable)
+                outcome = await self._run_with_files(runnable, lease, sink)
         except asyncio.CancelledError:
             self.running.pop(task_id, None)
             reason = self._stop_reason.pop(task_id, None)
@@ -374,6 +381,42 @@ class Agent:
         }  # fmt: skip
         self._completions.append(checked_completion(completion))
         self._completions_ready.set()
+
+    async def _run_with_files(
+        self, runnable: Runnable, lease: dict[str, Any], sink: Callable[[dict[str, Any]], None]
+    ) -> Outcome:
+        """Fetch the task's input files, run it in a process of its variant's pool, send back its output files."""
+        task_id = lease["id"]
+        try:
+            files = await self.files.prepare(lease)
+        except TaskFileError as exc:
+            return Outcome(False, error=exc.error)
+        try:
+            with_files = {**lease, "files": files.inputs, "output_dir": str(files.output_dir)}
+            key = grant_key(lease.get("gpus"))
+            proc = await runnable.pool.acquire(key, task_id, env=files.env())
+            reusable = False
+            grant = lease.get("gpus") or {}
+            if grant and not grant.get("exclusive") and proc.pid:
+                self._shared[task_id] = SharedTask(task_id, proc.pid, tuple(grant.get("uuids", [])),
+                                                   int(grant.get("memory_bytes", 0)))  # fmt: skip
+            try:
+                outcome = await proc.run(runnable.task_line(with_files), sink, lease.get("timeout_s"))
+                # a failure the program reported itself leaves it warm; a timeout or a crash does not
+                reusable = proc.alive and (outcome.error or {}).get("type") not in PROCESS_FAULTS
+            finally:
+                self._shared.pop(task_id, None)
+                runnable.pool.release(proc, key, reusable)
+            if outcome.succeeded:
+                try:
+                    outcome.output = await self.files.collect(files, lease, outcome.output)
+                except TaskFileError as exc:
+                    outcome = Outcome(False, error=exc.error, run_s=outcome.run_s, started_at=outcome.started_at,
+                                      isolation=outcome.isolation)  # fmt: skip
+            return outcome
+        finally:
+            if not self.files.remove_if_empty(files):  # the common case costs two rmdir calls, no thread
+                await asyncio.get_running_loop().run_in_executor(None, self.files.cleanup, files)
 
     def _event_not_carried(self, task_id: str, attempt: int, error: dict[str, Any]) -> None:
         """An event of this attempt is dropped, and its task will fail `invalid_output` (see `with_event_failure`).
@@ -516,4 +559,4 @@ class Agent:
             # one that was up a while is reopened at once (within the controller's reconnect grace); one that
             # cannot be opened, or drops straight away, is retried with backoff
             delay_s = 0.0 if held and clock() - opened_at > 1.0 else min(max(delay_s * 2, 0.1), 2.0)
-            await asyncio.sleep(delay_s)
+            await asyncio.sleep(jittered(delay_s))

@@ -1,0 +1,371 @@
+"""`/v1/files`: upload (streamed, size-limited, sha256 recorded), download (streamed, ranges), delete, retention.
+
+    POST   /v1/files?name=N               the body is the file: application/octet-stream, or one file part
+                                          of multipart/form-data; answers 201 {id, name, size, sha256, ...}
+    POST   /v1/files/shared               {id, name?}: record a file a worker wrote into the shared storage
+    GET    /v1/files/{id}  (and HEAD)      the bytes; `Range: bytes=a-b` answers 206; sha256 in x-turnout-sha256
+    DELETE /v1/files/{id}
+
+Files belong to a tenant: another tenant's file answers 404, as its tasks do. A worker token reads a file
+for the task it holds (`?task=ID`: the task is active and its input references the file) and writes outputs
+for it (`?task=ID&attempt=N`: the file belongs to the task's tenant). An upload is written to disk a
+megabyte at a time on a thread as it arrives, never held whole; past `max_file_bytes` it is refused with a
+413 naming the limit (the body limit middleware bounds the stream; the count here is exact). A file's
+record is committed only once its bytes are fsync'd in place, so a file that answers is whole.
+
+Retention: files expire `file_retention_s` after they were made (config; default 7 days); one replica per
+round (`claim_sweep`) deletes their records, then their bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, FastAPI, Header, Query, Request
+from fastapi.responses import FileResponse, JSONResponse, Response
+from python_multipart.multipart import MultipartParser, parse_options_header
+from starlette.requests import ClientDisconnect
+from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
+
+from turnout.api.schemas import Strict, iso
+from turnout.api.service import Service
+from turnout.api.strictjson import StrictJsonRoute
+from turnout.auth import ANONYMOUS_ADMIN, Principal
+from turnout.errors import Conflict, Forbidden, InvalidInput, NotFound
+from turnout.files import SHA256_HEADER, refs_in
+from turnout.models import ACTIVE_STATES, Role, Task
+from turnout.store.files import CHUNK_BYTES, FILE_ID, Blobs, BlobWriter, FileRecord, FileRecords, new_file_id
+from turnout.store.replicas import claim_sweep
+
+log = logging.getLogger("turnout.api")
+R = TypeVar("R")
+UPLOAD_BODY = {"requestBody": {"required": True, "content": {
+    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+    "multipart/form-data": {"schema": {"type": "object", "properties": {"file": {"type": "string", "format": "binary"}}}},
+}}}  # fmt: skip
+
+
+class SharedFileIn(Strict):
+    id: str
+    name: str | None = None
+
+
+class BigFileResponse(FileResponse):
+    chunk_size = CHUNK_BYTES  # a megabyte per read (on a thread) and per write to the socket
+
+
+def install(app: FastAPI, service: Service, scope: Callable[[Principal], str | None]) -> None:
+    """Add the routes and the retention sweep; files live under `settings.storage_dir`."""
+    settings = service.controller.settings
+    if settings.storage_dir is None:
+        return  # a controller built without storage (some tests): no file routes
+    blobs = Blobs(settings.storage_dir)
+    blobs.ensure()
+    records = FileRecords(service.controller.store)
+    api = APIRouter(route_class=StrictJsonRoute)
+    limits = settings.request_limits
+
+    async def caller(authorization: str | None) -> Principal:
+        """Any valid token; what it may do with files is decided per route below."""
+        if not service.auth:
+            return ANONYMOUS_ADMIN
+        for kind in (
+            "read",
+            "worker",
+        ):  # admin, submit and read tokens pass the first; worker tokens the second
+            try:
+                cached = service.tokens.cached(authorization, kind)
+                if cached is not None:
+                    return cached
+                return await service.read(service.tokens.verify, authorization, kind)
+            except Forbidden:
+                continue
+        raise Forbidden("this token cannot use files")
+
+    async def owner_of_upload(
+        p: Principal, task_id: str | None, attempt: int | None
+    ) -> tuple[str, str | None]:
+        """(tenant, task id) a new file belongs to: a worker's for the task it runs, anyone else's own."""
+        if p.role is Role.WORKER:
+            if task_id is None or attempt is None:
+                raise InvalidInput(
+                    "task: a worker token uploads a task's outputs (?task=ID&attempt=N)", field="task"
+                )
+            task = await _task(service, task_id)
+            if task.state not in ACTIVE_STATES or task.attempts != attempt:
+                raise Conflict(f"task {task_id} attempt {attempt} is no longer running", field="attempt")
+            return task.tenant, task.id
+        if p.role is Role.READ:
+            raise Forbidden("a read token cannot upload files (needs submit)")
+        return p.tenant, None
+
+    async def readable(p: Principal, file_id: str, task_id: str | None) -> FileRecord:
+        """The file, if `p` may read it; else NotFound (another tenant's file is not there for it)."""
+        missing = NotFound(f"file {file_id} not found", field="id")
+        if not FILE_ID.match(file_id):
+            raise missing
+        record = await service.read(records.get, file_id)
+        if record is None:
+            raise missing
+        if p.role is Role.WORKER:
+            if task_id is None:
+                raise InvalidInput("task: a worker token reads a file for the task that holds it (?task=ID)",
+                                   field="task")  # fmt: skip
+            task = await _task(service, task_id)
+            if task.state not in ACTIVE_STATES or task.tenant != record.tenant:
+                raise missing
+            if file_id not in {fid for _, fid in refs_in(task.spec.input)}:
+                raise missing
+            return record
+        tenant = scope(p)
+        if tenant is not None and record.tenant != tenant:
+            raise missing
+        return record
+
+    def expiry(now: float) -> float | None:
+        return now + settings.file_retention_s if settings.file_retention_s else None
+
+    @api.post("/v1/files", status_code=201, openapi_extra=UPLOAD_BODY)
+    async def upload(
+        request: Request,
+        name: str | None = Query(None, max_length=255),
+        task: str | None = Query(None, max_length=64),
+        attempt: int | None = Query(None, ge=1, le=2**31 - 1),
+        authorization: str | None = Header(None),
+    ) -> Any:
+        p = await caller(authorization)
+        tenant, task_id = await owner_of_upload(p, task, attempt)
+        kind, options = parse_options_header(request.headers.get("content-type"))
+        if kind in (b"", b"application/json") or kind.endswith(b"+json"):
+            raise InvalidInput("body: send the file's bytes as application/octet-stream, or as the file part of "
+                               "multipart/form-data", field="body")  # fmt: skip
+        writer = await _blocking(blobs.writer, limits.max_file_bytes)
+        file_id = new_file_id()
+        try:
+            if kind == b"multipart/form-data":
+                name = await _receive_multipart(request, writer, options.get(b"boundary"), name)
+            else:
+                await _receive_raw(request, writer)
+            await _blocking(writer.commit, file_id)
+        except ClientDisconnect:
+            await _blocking(writer.discard)
+            return Response(
+                status_code=400
+            )  # the client went away (or the body limit answered): nobody reads this
+        except BaseException:
+            await _blocking(writer.discard)
+            raise
+        now = service.controller.clock()
+        record = FileRecord(file_id, tenant, name, writer.size, writer.sha256, now, expiry(now), task_id)
+        try:
+            await service.call(records.insert, record)
+        except BaseException:
+            await _blocking(blobs.remove, file_id)
+            raise
+        return file_out(record)
+
+    @api.post("/v1/files/shared", status_code=201)
+    async def shared(
+        body: SharedFileIn,
+        task: str | None = Query(None, max_length=64),
+        attempt: int | None = Query(None, ge=1, le=2**31 - 1),
+        authorization: str | None = Header(None),
+    ) -> Any:
+        """Record a file whose bytes a worker wrote into `objects/<id>` of the shared storage itself."""
+        p = await caller(authorization)
+        tenant, task_id = await owner_of_upload(p, task, attempt)
+        if not FILE_ID.match(body.id):
+            raise InvalidInput(f"id: {body.id!r} is not a file id (f_ and 28 hex digits)", field="id")
+        if await service.read(records.get, body.id) is not None:
+            raise Conflict(f"id: file {body.id} is already recorded", field="id")
+        try:
+            size, digest = await _blocking(_hash_file, blobs, body.id)
+        except FileNotFoundError:
+            raise InvalidInput(f"id: no file {body.id} in this controller's storage; is --storage the same "
+                               "shared directory on the controller and the worker?", field="id") from None  # fmt: skip
+        if size > limits.max_file_bytes:
+            await _blocking(blobs.remove, body.id)
+            raise InvalidInput(
+                f"id: file of {size} bytes is over {limits.describe('max_file_bytes')}", field="id"
+            )
+        now = service.controller.clock()
+        record = FileRecord(body.id, tenant, body.name, size, digest, now, expiry(now), task_id)
+        await service.call(records.insert, record)
+        return file_out(record)
+
+    @api.api_route("/v1/files/{file_id}", methods=["GET", "HEAD"])
+    async def download(
+        request: Request,
+        file_id: str,
+        task: str | None = Query(None, max_length=64),
+        authorization: str | None = Header(None),
+    ) -> Any:
+        p = await caller(authorization)
+        record = await readable(p, file_id, task)
+        headers = {SHA256_HEADER: record.sha256, "etag": f'"{record.sha256}"', "cache-control": "private"}
+        stat = await _blocking(_stat, blobs, file_id)
+        if stat is None:
+            raise NotFound(f"file {file_id} not found (its bytes are gone from the storage)", field="id")
+        http_range = request.headers.get("range")
+        if http_range is not None:
+            try:
+                BigFileResponse._parse_range_header(http_range, stat.st_size)
+            except MalformedRangeHeader as exc:
+                raise InvalidInput(
+                    f"Range: {exc.content} (expected bytes=START-END)", field="Range"
+                ) from None
+            except RangeNotSatisfiable:
+                return JSONResponse(
+                    {"error": {"type": "range_not_satisfiable", "field": "Range",
+                               "message": f"Range: {http_range!r} starts past the end of a {stat.st_size}-byte file"}},
+                    status_code=416, headers={"Content-Range": f"bytes */{stat.st_size}"},
+                )  # fmt: skip
+        return BigFileResponse(blobs.path(file_id), headers=headers, stat_result=stat, filename=record.name or file_id,
+                               media_type="application/octet-stream")  # fmt: skip
+
+    @api.delete("/v1/files/{file_id}")
+    async def delete(file_id: str, authorization: str | None = Header(None)) -> Any:
+        p = await caller(authorization)
+        if p.role in (Role.WORKER, Role.READ):
+            raise Forbidden(f"a {p.role.value} token cannot delete files (needs submit)")
+        record = await readable(p, file_id, None)
+        if await service.call(records.delete, record.id):
+            await _blocking(blobs.remove, record.id)
+        return {"id": record.id, "deleted": True}
+
+    app.include_router(api)
+    service.run_in_background(functools.partial(_expire_forever, service, records, blobs))
+
+
+def file_out(record: FileRecord) -> dict[str, Any]:
+    return {"id": record.id, "name": record.name, "size": record.size, "sha256": record.sha256,
+            "created_at": iso(record.created_at), "expires_at": iso(record.expires_at), "task": record.task_id}  # fmt: skip
+
+
+async def _task(service: Service, task_id: str) -> Task:
+    task = await service.read(service.controller.store.get_task, task_id)
+    if task is None:
+        raise NotFound(f"task {task_id} not found", field="task")
+    return task
+
+
+async def _blocking(fn: Callable[..., R], *args: Any) -> R:
+    """Disk work (writes, fsync, hashing) on a thread: the event loop keeps answering heartbeats."""
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+async def _receive_raw(request: Request, writer: BlobWriter) -> None:
+    pending = bytearray()
+    async for chunk in request.stream():
+        pending += chunk
+        if len(pending) >= CHUNK_BYTES:
+            await _blocking(writer.write, bytes(pending))
+            pending.clear()
+    if pending:
+        await _blocking(writer.write, bytes(pending))
+
+
+async def _receive_multipart(
+    request: Request, writer: BlobWriter, boundary: bytes | None, name: str | None
+) -> str | None:
+    """Write the one file part of a multipart body into `writer` as it streams; returns the file's name."""
+    if not boundary:
+        raise InvalidInput("Content-Type: multipart/form-data needs a boundary", field="Content-Type")
+    state: dict[str, Any] = {
+        "field": b"",
+        "value": b"",
+        "headers": {},
+        "in_file": False,
+        "files": 0,
+        "name": name,
+    }
+    pieces: list[bytes] = []
+
+    def on_header_field(data: bytes, start: int, end: int) -> None:
+        state["field"] += data[start:end]
+
+    def on_header_value(data: bytes, start: int, end: int) -> None:
+        state["value"] += data[start:end]
+
+    def on_header_end() -> None:
+        state["headers"][state["field"].lower()] = state["value"]
+        state["field"], state["value"] = b"", b""
+
+    def on_headers_finished() -> None:
+        _, params = parse_options_header(state["headers"].get(b"content-disposition", b"").decode("latin-1"))
+        is_file = b"filename" in params or params.get(b"name") == b"file"
+        state["in_file"] = is_file and state["files"] == 0
+        if is_file:
+            state["files"] += 1
+            if state["name"] is None and params.get(b"filename"):
+                state["name"] = params[b"filename"].decode("utf-8", "replace")[:255]
+
+    def on_part_data(data: bytes, start: int, end: int) -> None:
+        if state["in_file"]:
+            pieces.append(data[start:end])
+
+    def on_part_begin() -> None:
+        state["headers"] = {}
+        state["in_file"] = False
+
+    parser = MultipartParser(boundary, {"on_part_begin": on_part_begin, "on_header_field": on_header_field,
+                                        "on_header_value": on_header_value, "on_header_end": on_header_end,
+                                        "on_headers_finished": on_headers_finished, "on_part_data": on_part_data})  # fmt: skip
+    pending = 0
+    async for chunk in request.stream():
+        try:
+            parser.write(chunk)
+        except Exception as exc:  # python-multipart's parse errors
+            raise InvalidInput(f"body: not a multipart/form-data body ({exc})", field="body") from None
+        pending += sum(len(p) for p in pieces)
+        if pending >= CHUNK_BYTES:
+            await _blocking(writer.write, b"".join(pieces))
+            pieces.clear()
+            pending = 0
+    if pieces:
+        await _blocking(writer.write, b"".join(pieces))
+    if state["files"] == 0:
+        raise InvalidInput("file: the multipart body holds no file part", field="file")
+    if state["files"] > 1:
+        raise InvalidInput("file: one file per upload", field="file")
+    result: str | None = state["name"]
+    return result
+
+
+def _hash_file(blobs: Blobs, file_id: str) -> tuple[int, str]:
+    from turnout.store.files import hash_file
+
+    return hash_file(blobs.path(file_id))
+
+
+def _stat(blobs: Blobs, file_id: str) -> Any:
+    try:
+        return blobs.path(file_id).stat()
+    except FileNotFoundError:
+        return None
+
+
+async def _expire_forever(service: Service, records: FileRecords, blobs: Blobs) -> None:
+    """Delete expired files: records first (one replica per round), then their bytes; and stale tmp/ files."""
+    settings = service.controller.settings
+    interval_s = min(60.0, max(0.5, settings.file_retention_s / 4)) if settings.file_retention_s else 60.0
+
+    def expire() -> list[str]:
+        ctrl = service.controller
+        now = ctrl.clock()
+        if not claim_sweep(ctrl.store, "files", service.replica_id, now, interval_s):
+            return []
+        return records.expire(now)
+
+    while True:
+        try:
+            for file_id in await service.call(expire):
+                await _blocking(blobs.remove, file_id)
+            await _blocking(blobs.remove_stale_tmp, service.controller.clock())
+        except Exception:  # the sweep outlives a bad moment; the next round tries again
+            log.exception("expiring files failed")
+        await asyncio.sleep(interval_s)
