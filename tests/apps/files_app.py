@@ -36,3 +36,9 @@ def copy(ctx: Context, data: dict[str, Any]) -> dict[str, Any]:
 @app.capability("noop", cpu=0.01)
 def noop(ctx: Context, data: Any) -> None:
     return None
+
+
+@app.capability("where", cpu=0.1)
+def where(ctx: Context, data: dict[str, Any]) -> dict[str, Any]:
+    """Where the input file is read from, and where the output directory lives."""
+    return {"path": str(ctx.path(data["file"])), "output_dir_in": str(ctx.output_dir.parent)}
