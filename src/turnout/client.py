@@ -301,7 +301,11 @@ class Client:
         ca_cert: str | Path | None = None,
     ) -> None:
         self._loop = _Loop()
-        self._async = self._loop.run(_make_async(url, token, timeout_s, ca_cert))
+        try:
+            self._async = self._loop.run(_make_async(url, token, timeout_s, ca_cert))
+        except BaseException:
+            self._loop.close()
+            raise
         self.url = self._async.url
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
