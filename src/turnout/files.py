@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import os
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -130,9 +131,24 @@ async def download(
             await resp.aread()
             raise_for_error(resp)
         expected = resp.headers.get(SHA256_HEADER)
-        with _Sink(part) as sink:
-            async for chunk in resp.aiter_raw(CHUNK_BYTES):
-                await loop.run_in_executor(None, sink.write, chunk)
+        # Receiving and writing overlap: a megabyte is hashed and written on the sink's own thread while the
+        # next one arrives; at most one is waiting, so memory stays a few megabytes whatever the size.
+        with _Sink(part) as sink, ThreadPoolExecutor(max_workers=1, thread_name_prefix="turnout-file") as disk:
+            writing: asyncio.Future[None] | None = None
+            pending: list[bytes] = []
+            held = 0
+            async for chunk in resp.aiter_raw():
+                pending.append(chunk)
+                held += len(chunk)
+                if held >= CHUNK_BYTES:
+                    if writing is not None:
+                        await writing
+                    writing = loop.run_in_executor(disk, sink.write, b"".join(pending))
+                    pending, held = [], 0
+            if writing is not None:
+                await writing
+            if pending:
+                await loop.run_in_executor(disk, sink.write, b"".join(pending))
             size, digest = sink.size, sink.sha256
     if expected and digest != expected:
         part.unlink(missing_ok=True)
