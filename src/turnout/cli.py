@@ -616,10 +616,10 @@ def doctor(
 ) -> None:
     """Check this host before it serves as a worker, and say how to fix each problem; exit 0 only when it can."""
     from turnout import doctor as checks
-    from turnout.client import default_token, default_url
+    from turnout.client import default_ca_cert, default_token, default_url
 
     settings = checks.DoctorSettings(controller_url=controller_url or default_url(),
-                                     token=token or default_token(), gpus=gpus)  # fmt: skip
+                                     token=token or default_token(), gpus=gpus, ca_cert=default_ca_cert())  # fmt: skip
     found = checks.run(settings)
     ok = checks.can_serve(found)
     if as_json:

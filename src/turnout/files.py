@@ -133,7 +133,10 @@ async def download(
         expected = resp.headers.get(SHA256_HEADER)
         # Receiving and writing overlap: a megabyte is hashed and written on the sink's own thread while the
         # next one arrives; at most one is waiting, so memory stays a few megabytes whatever the size.
-        with _Sink(part) as sink, ThreadPoolExecutor(max_workers=1, thread_name_prefix="turnout-file") as disk:
+        with (
+            _Sink(part) as sink,
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="turnout-file") as disk,
+        ):
             writing: asyncio.Future[None] | None = None
             pending: list[bytes] = []
             held = 0

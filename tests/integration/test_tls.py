@@ -4,6 +4,7 @@ one line that says why, never a traceback."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,12 @@ def test_a_worker_the_cli_and_the_sdk_reach_a_tls_controller_trusting_a_private_
     # Then both tasks ran on the worker, over https
     assert cli.returncode == 0, cli.stderr
     assert '"n": 7' in cli.stdout and task["state"] == "succeeded" and task["output"]["n"] == 8
+    # and `turnout doctor` on a prospective worker host finds the certificate trusted through the same CA
+    doctor = subprocess.run([sys.executable, "-m", "turnout.cli", "--ca-cert", ca, "doctor", "--controller",
+                             tls_cluster.url, "--gpus", "none", "--json"], env=env, capture_output=True, text=True,
+                            timeout=60)  # fmt: skip
+    checks = {c["name"]: c["status"] for c in json.loads(doctor.stdout)["checks"]}
+    assert checks["tls"] == "ok", doctor.stdout
 
 
 def test_a_client_that_does_not_trust_the_ca_is_refused_with_one_line(
