@@ -20,7 +20,7 @@ from turnout.controller import Controller
 from turnout.models import Device, TaskSpec, TaskState, Variant, WorkerState
 from turnout.resources import parse_resources
 from turnout.store import SqlStore, open_store
-from turnout.store.replicas import DbClock, claim_sweep
+from turnout.store.replicas import DbClock, claim_sweep, refresh_statistics
 
 NOOP = Variant("noop", Device.CPU, parse_resources({"cpu": 0.01}))
 
@@ -148,3 +148,29 @@ def _claims_take_turns(store_a: SqlStore, store_b: SqlStore) -> None:
     assert not claim_sweep(store_a, "reap", "a", 101.6, 1.0)
     # and another sweep's claim is its own
     assert claim_sweep(store_a, "files", "a", 101.6, 1.0)
+
+
+@pytest.mark.postgres
+def test_a_queue_filled_faster_than_autovacuum_looks_is_leased_through_the_order_index(pg_url: str) -> None:
+    # Given 3,000 tasks queued at once into a fresh database (its statistics say the table is empty)
+    store = open_store(pg_url)
+    try:
+        ctrl = Controller(store, ControllerSettings())
+        _register(ctrl, "w")
+        for _ in range(3):
+            ctrl.submit("default", [TaskSpec(capability="noop", input=None) for _ in range(1000)])
+        store.engine.dispose()  # its sessions end, and report what they changed (else within 10 s)
+        # When a replica refreshes the statistics that went stale
+        deadline = time.monotonic() + 30
+        while not refresh_statistics(store):
+            assert time.monotonic() < deadline, "the tasks table was never analysed"
+            time.sleep(0.1)
+        assert not refresh_statistics(store)  # fresh now: nothing to do
+        # Then the lease's read walks the lease-order index and stops, instead of sorting the whole queue
+        with store.engine.connect() as conn:
+            plan = "\n".join(r[0] for r in conn.exec_driver_sql(
+                "EXPLAIN SELECT * FROM tasks WHERE state = 'queued' AND capability IN ('noop') "
+                "ORDER BY priority DESC, created_at, id LIMIT 200 FOR UPDATE SKIP LOCKED"))  # fmt: skip
+        assert "ix_tasks_queue_order" in plan and "Sort" not in plan, plan
+    finally:
+        store.close()

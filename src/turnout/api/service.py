@@ -39,7 +39,7 @@ from turnout.controller import Controller
 from turnout.errors import NotFound, StorageUnavailable
 from turnout.models import Worker, WorkerState
 from turnout.store.notify import ALL, ANY_WORKER, ReplicaBus
-from turnout.store.replicas import claim_sweep
+from turnout.store.replicas import claim_sweep, refresh_statistics
 from turnout.store.sql import is_storage_failure
 
 log = logging.getLogger("turnout.api")
@@ -47,6 +47,7 @@ R = TypeVar("R")
 POLL_S = 1.0
 MAX_GROUP = 512  # calls committed together at most
 HEARTBEAT_ANSWER_S = 0.5  # a heartbeat is answered by then even when its write still waits for the database
+ANALYZE_EVERY_S = 2.0  # how often one replica checks whether the tasks table's statistics went stale
 RECONNECT_GRACE_S = 1.0  # a worker whose held connection dropped has this long to open a new one
 STORAGE_RETRY_AFTER_S = 5.0
 STORAGE_MESSAGE = (
@@ -417,6 +418,13 @@ class Service:
             try:
                 if await self.call(self._sweep, interval):
                     self.changed()
+                store = self.controller.store
+                if store.dialect == "postgresql" and await self.call(
+                    claim_sweep, store, "analyze", self.replica_id, self.controller.clock(), ANALYZE_EVERY_S
+                ):
+                    await self.read(
+                        refresh_statistics, store
+                    )  # a connection of its own, off the database thread
                 if failing:
                     log.warning("sweep works again")
                 failing = False

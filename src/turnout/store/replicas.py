@@ -7,6 +7,12 @@ clock: `DbClock` measures its offset from the local clock (the sample with the s
 a few) when it starts and again every `refresh_s` on a thread of its own, and `clock()` is the local
 clock plus that offset: no query on any hot path, and never a wait on the event loop.
 
+**Fresh statistics.** A queue that fills in seconds (a batch of thousands into a new or quiet database)
+outruns autovacuum's ANALYZE, which may look a minute later: the planner then believes a handful of rows
+are queued and sorts them all on every lease instead of reading the lease-order index, a cost that grows
+with the queue. `refresh_statistics` runs ANALYZE on the tasks table once enough of it changed since
+the last one; on its own connection, never waiting for a lock (autovacuum may hold it), by one replica.
+
 **Sweep claims.** The periodic sweep (silent workers, overdue tasks, placement timeouts) is safe to run on
 every replica, since each change is a conditional update, but running it everywhere is wasted work and
 contention. `claim_sweep` lets one replica per interval run it: a conditional update of the sweep's row
@@ -120,3 +126,35 @@ def claim_sweep(store: SqlStore, name: str, holder: str, now: float, interval_s:
             conn.execute(sw.insert().values(name=name, holder=holder, swept_at=now))
             return True
         return False  # another replica made the row first, just now
+
+
+ANALYZE_MIN_CHANGES = 1000  # rows changed since the last ANALYZE before the tasks table is analysed again
+ANALYZE_FRACTION = 0.2  # ... and at least this share of its live rows
+
+
+def refresh_statistics(store: SqlStore) -> bool:
+    """ANALYZE the tasks table if it changed much since its statistics were taken (PostgreSQL only);
+    returns whether it did. Runs on a connection of its own (call it off the database thread)."""
+    if store.dialect != "postgresql":
+        return False
+    with store.engine.connect() as conn:
+        row = conn.exec_driver_sql(
+            "SELECT n_mod_since_analyze, n_live_tup FROM pg_stat_user_tables WHERE relname = 'tasks'"
+        ).first()
+        if row is None or row[0] < max(ANALYZE_MIN_CHANGES, ANALYZE_FRACTION * row[1]):
+            return False
+        try:
+            conn.exec_driver_sql(
+                "SET lock_timeout = '200ms'"
+            )  # autovacuum or another replica has it: next time
+            conn.exec_driver_sql("ANALYZE tasks")
+            conn.commit()
+        except sa.exc.DBAPIError as exc:
+            conn.rollback()
+            log.debug("ANALYZE tasks skipped: %s", str(exc).splitlines()[0])
+            return False
+        finally:
+            with contextlib.suppress(sa.exc.DBAPIError):
+                conn.exec_driver_sql("RESET lock_timeout")
+                conn.commit()
+    return True
