@@ -21,7 +21,7 @@ import httpx
 from turnout.config import DEFAULT_PORT
 from turnout.errors import HTTP_STATUS, InvalidInput, RateLimited, TurnoutError, Unavailable
 from turnout.jsonsafe import problem
-from turnout.tls import tls_verify
+from turnout.tls import async_client
 
 T = TypeVar("T")
 TERMINAL = {"succeeded", "failed", "cancelled"}
@@ -108,11 +108,8 @@ class AsyncClient:
         token = token or default_token()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         ca = Path(ca_cert).expanduser() if ca_cert else default_ca_cert()
-        self.http = httpx.AsyncClient(
-            base_url=self.url,
-            headers=headers,
-            timeout=httpx.Timeout(timeout_s, read=None),
-            verify=tls_verify(ca),
+        self.http = async_client(
+            base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout_s, read=None), ca_cert=ca
         )
 
     async def __aenter__(self) -> AsyncClient:

@@ -261,3 +261,28 @@ def test_the_cli_puts_gets_and_submits_files(cluster: Cluster, tmp_path: Path) -
     assert json.loads(run.stdout)["output"] == {"sha256": _sha(src.read_bytes()), "size": 100_000}
     missing = cluster.cli("submit", "digest", "--file", f"file={tmp_path / 'nope'}")
     assert missing.returncode == 2 and "--file" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_the_direct_download_and_the_httpx_download_give_the_same_checked_bytes(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    import asyncio
+
+    from turnout.client import AsyncClient
+    from turnout.files import download
+
+    data = os.urandom(2 * 1024 * 1024 + 5)
+    file_id = _upload(cluster, data).json()["id"]
+
+    async def both() -> list[dict[str, Any]]:
+        async with AsyncClient(cluster.url, cluster.token) as sdk:  # its own connection, a megabyte per read
+            direct = await sdk.download(file_id, tmp_path / "direct.bin")
+        async with httpx.AsyncClient(
+            base_url=cluster.url, headers=_headers(cluster.token)
+        ) as plain:  # httpx's stream
+            streamed = await download(plain, file_id, tmp_path / "httpx.bin")
+        return [direct, streamed]
+
+    for got in asyncio.run(both()):
+        assert (got["size"], got["sha256"]) == (len(data), _sha(data))
+        assert Path(got["path"]).read_bytes() == data

@@ -5,6 +5,7 @@ one line that says why, never a traceback."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +50,16 @@ def test_a_worker_the_cli_and_the_sdk_reach_a_tls_controller_trusting_a_private_
                             timeout=60)  # fmt: skip
     checks = {c["name"]: c["status"] for c in json.loads(doctor.stdout)["checks"]}
     assert checks["tls"] == "ok", doctor.stdout
+
+
+def test_files_move_over_https_with_the_private_ca(tls_cluster: TlsCluster, tmp_path: Path) -> None:
+    assert tls_cluster.tls is not None
+    src = tmp_path / "in.bin"
+    src.write_bytes(os.urandom(3 * 1024 * 1024))
+    with Client(tls_cluster.url, tls_cluster.token, ca_cert=tls_cluster.tls.ca) as client:
+        up = client.upload(src)
+        down = client.download(up["id"], tmp_path / "out.bin")
+    assert up["sha256"] == down["sha256"] and (tmp_path / "out.bin").read_bytes() == src.read_bytes()
 
 
 def test_a_client_that_does_not_trust_the_ca_is_refused_with_one_line(

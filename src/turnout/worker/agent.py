@@ -31,7 +31,7 @@ from turnout.gpu.allocation import GpuRequest, fits_ever
 from turnout.gpu.devices import GpuDevice, units_of
 from turnout.gpu.provider import Discovery, discover
 from turnout.models import Device, Variant
-from turnout.tls import tls_verify
+from turnout.tls import async_client
 from turnout.worker.app import HandlerVariant, WorkerApplication
 from turnout.worker.delivery import Refusal, Replace, deliver
 from turnout.worker.files import TaskFileError, WorkerFiles
@@ -147,9 +147,9 @@ class Agent:
         self._shared: dict[str, SharedTask] = {}  # running tasks that hold a share of a GPU's memory
         self._stop_reason: dict[str, dict[str, Any]] = {}  # why the worker itself stopped a task
         headers = {"Authorization": f"Bearer {settings.token}"} if settings.token else {}
-        self.http = httpx.AsyncClient(base_url=settings.controller_url.rstrip("/"), headers=headers,
-                                      timeout=httpx.Timeout(10.0, read=90.0), transport=transport,
-                                      verify=tls_verify(settings.ca_cert))  # fmt: skip
+        self.http = async_client(base_url=settings.controller_url.rstrip("/"), headers=headers,
+                                 timeout=httpx.Timeout(10.0, read=90.0), transport=transport,
+                                 ca_cert=settings.ca_cert)  # fmt: skip
         self.files = WorkerFiles(self.http, storage=settings.storage)
         self.worker_id: str | None = None
         self.running: dict[str, asyncio.Task[None]] = {}
