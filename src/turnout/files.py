@@ -246,7 +246,9 @@ class _Pipeline:
             self._writing = None
         if self._pending:
             chunks, self._pending, self._held = self._pending, [], 0
-            self._writing = asyncio.get_running_loop().run_in_executor(self._disk, self._sink.write_all, chunks)
+            self._writing = asyncio.get_running_loop().run_in_executor(
+                self._disk, self._sink.write_all, chunks
+            )
 
     async def finish(self) -> tuple[int, str]:
         """Write what is left; (size, sha256 hex)."""

@@ -32,10 +32,10 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 
 from turnout.api.schemas import Strict, iso
-from turnout.api.service import Service
+from turnout.api.service import STORAGE_RETRY_AFTER_S, Service
 from turnout.api.strictjson import StrictJsonRoute
 from turnout.auth import ANONYMOUS_ADMIN, Principal
-from turnout.errors import Conflict, Forbidden, InvalidInput, NotFound
+from turnout.errors import Conflict, Forbidden, InvalidInput, NotFound, StorageUnavailable
 from turnout.files import SHA256_HEADER, refs_in
 from turnout.models import ACTIVE_STATES, Role, Task
 from turnout.store.files import CHUNK_BYTES, FILE_ID, Blobs, BlobWriter, FileRecord, FileRecords, new_file_id
@@ -143,7 +143,10 @@ def install(app: FastAPI, service: Service, scope: Callable[[Principal], str | N
         if kind in (b"", b"application/json") or kind.endswith(b"+json"):
             raise InvalidInput("body: send the file's bytes as application/octet-stream, or as the file part of "
                                "multipart/form-data", field="body")  # fmt: skip
-        writer = await _blocking(blobs.writer, limits.max_file_bytes)
+        try:
+            writer = await _blocking(blobs.writer, limits.max_file_bytes)
+        except OSError as exc:
+            raise _disk_failure(exc) from None
         file_id = new_file_id()
         try:
             if kind == b"multipart/form-data":
@@ -151,11 +154,12 @@ def install(app: FastAPI, service: Service, scope: Callable[[Principal], str | N
             else:
                 await _receive_raw(request, writer)
             await _blocking(writer.commit, file_id)
-        except ClientDisconnect:
+        except ClientDisconnect:  # the client went away (or the body limit answered it): nobody reads this
             await _blocking(writer.discard)
-            return Response(
-                status_code=400
-            )  # the client went away (or the body limit answered): nobody reads this
+            return Response(status_code=400)
+        except OSError as exc:  # the storage is full or failing: nothing was kept
+            await _blocking(writer.discard)
+            raise _disk_failure(exc) from None
         except BaseException:
             await _blocking(writer.discard)
             raise
@@ -239,6 +243,12 @@ def install(app: FastAPI, service: Service, scope: Callable[[Principal], str | N
 
     app.include_router(api)
     service.run_in_background(functools.partial(_expire_forever, service, records, blobs))
+
+
+def _disk_failure(exc: OSError) -> StorageUnavailable:
+    log.error("file storage failed: %s", exc)
+    return StorageUnavailable("the file storage cannot take this file now (full or failing); nothing was kept, "
+                              "try again", retry_after_s=STORAGE_RETRY_AFTER_S)  # fmt: skip
 
 
 def file_out(record: FileRecord) -> dict[str, Any]:
