@@ -286,3 +286,50 @@ def test_the_direct_download_and_the_httpx_download_give_the_same_checked_bytes(
     for got in asyncio.run(both()):
         assert (got["size"], got["sha256"]) == (len(data), _sha(data))
         assert Path(got["path"]).read_bytes() == data
+
+
+def test_a_worker_token_reads_only_files_its_running_task_names_and_writes_only_for_a_live_attempt(
+    cluster: Cluster,
+) -> None:
+    worker = cluster.api("POST", "/v1/tokens", json={"role": "worker", "tenant": "default"}).json()["token"]
+    named = _upload(cluster, b"named").json()["id"]
+    other = _upload(cluster, b"other").json()["id"]
+    # Given a task (leased by a worker registered with that token) whose input names one of two files
+    body = {"name": "hand", "host": "h", "cpu": 1, "memory": 2**30,
+            "variants": [{"capability": "digest", "device": "cpu", "resources": {"cpu": 0.1}}]}  # fmt: skip
+    worker_id = httpx.post(f"{cluster.url}/v1/workers/register", json=body, headers=_headers(worker)).json()[
+        "id"
+    ]
+    task = cluster.submit("digest", {"file": {"$file": named}})
+    leased = httpx.post(f"{cluster.url}/v1/workers/{worker_id}/lease", json={"max_tasks": 1, "wait_s": 5},
+                        headers=_headers(worker), timeout=30).json()  # fmt: skip
+    assert [t["id"] for t in leased["tasks"]] == [task["id"]]
+
+    def get(file_id: str, **params: str) -> httpx.Response:
+        return httpx.get(f"{cluster.url}/v1/files/{file_id}", params=params, headers=_headers(worker))
+
+    # Then it reads the file its task names, for that task only
+    assert get(named, task=task["id"]).content == b"named"
+    assert get(other, task=task["id"]).status_code == 404
+    missing_task = get(named)
+    assert (missing_task.status_code, missing_task.json()["error"]["field"]) == (422, "task")
+
+    # and it writes an output for the attempt it runs, not for another
+    def put(**params: object) -> httpx.Response:
+        return httpx.post(f"{cluster.url}/v1/files", params=params, content=b"out",
+                          headers={**_headers(worker), "Content-Type": "application/octet-stream"})  # fmt: skip
+
+    assert put(task=task["id"], attempt=1).status_code == 201
+    assert put(task=task["id"], attempt=2).status_code == 409
+    assert put().status_code == 422
+
+
+def test_the_cli_deletes_a_file(cluster: Cluster, tmp_path: Path) -> None:
+    src = tmp_path / "gone.txt"
+    src.write_text("soon")
+    file_id = json.loads(cluster.cli("file", "put", str(src)).stdout)["id"]
+    deleted = cluster.cli("file", "delete", file_id)
+    assert deleted.returncode == 0 and file_id in deleted.stdout
+    assert cluster.api("GET", f"/v1/files/{file_id}").status_code == 404
+    again = cluster.cli("file", "get", file_id, "-o", str(tmp_path / "x"))
+    assert again.returncode == 2 and "not found" in again.stderr and "Traceback" not in again.stderr

@@ -44,6 +44,9 @@ def test_a_worker_the_cli_and_the_sdk_reach_a_tls_controller_trusting_a_private_
     # Then both tasks ran on the worker, over https
     assert cli.returncode == 0, cli.stderr
     assert '"n": 7' in cli.stdout and task["state"] == "succeeded" and task["output"]["n"] == 8
+    by_env = subprocess.run([sys.executable, "-m", "turnout.cli", "tasks", "--json"], env={**env, "TURNOUT_CA_CERT": ca},
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert by_env.returncode == 0 and task["id"] in by_env.stdout, by_env.stderr
     # and `turnout doctor` on a prospective worker host finds the certificate trusted through the same CA
     doctor = subprocess.run([sys.executable, "-m", "turnout.cli", "--ca-cert", ca, "doctor", "--controller",
                              tls_cluster.url, "--gpus", "none", "--json"], env=env, capture_output=True, text=True,
