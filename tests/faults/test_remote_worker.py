@@ -139,6 +139,8 @@ def test_a_cut_longer_than_the_lease_moves_the_task_refuses_the_late_result_and_
     cluster.api("POST", f"/v1/workers/{near_id}/drain")
     again = cluster.result(cluster.submit("sleep", {"seconds": 0, "log": str(log)})["id"], wait=60)
     assert again["state"] == "succeeded" and again["worker"] == far_id
-    fault_report.notes.append("the task ran twice by design (at least once); one result was committed; "
-                              "processes and GPUs not at stake here")
+    fault_report.notes.append(
+        "the task ran twice by design (at least once); one result was committed; "
+        "processes and GPUs not at stake here"
+    )
     fault_report.check()
