@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from turnout.cli_files import file_app, file_flag, with_file
 from turnout.config import DEFAULT_PORT, parse_limit_flags
 from turnout.errors import InvalidInput, TurnoutError
 
@@ -27,8 +28,7 @@ app = typer.Typer(
 )
 token_app = typer.Typer(no_args_is_help=True, help="Make and revoke API tokens (admin).")
 app.add_typer(token_app, name="token")
-file_app = typer.Typer(no_args_is_help=True, help="Files for task inputs and outputs.")
-app.add_typer(file_app, name="file")
+app.add_typer(file_app, name="file")  # turnout file put|get|delete (cli_files.py)
 out = Console()
 err = Console(stderr=True)
 
@@ -320,10 +320,10 @@ def submit(
         _submit_many(capability, inputs, options, wait or follow, as_json)
         return
     data = _json_arg(input, "--input")
-    named = [_file_flag(f) for f in file]
+    named = [file_flag(f) for f in file]
     with _client() as client:
         for name, path in named:
-            data = _with_file(data, name, client.upload(path)["id"])
+            data = with_file(data, name, client.upload(path)["id"])
         handle = client.submit(capability, data, **options)
         if not (wait or follow):
             out.print_json(
@@ -341,22 +341,6 @@ def submit(
         _print_task(task)
     if task["state"] != "succeeded":
         raise typer.Exit(1)
-
-
-def _file_flag(flag: str) -> tuple[str, Path]:
-    """`--file NAME=PATH` -> (NAME, PATH), the file checked before anything is uploaded."""
-    name, sep, path = flag.partition("=")
-    if not sep or not name.strip() or not path.strip():
-        raise InvalidInput(f"--file: expected NAME=PATH, got {flag!r}", field="file")
-    if not Path(path).expanduser().is_file():
-        raise InvalidInput(f"--file: {path} is not a readable file", field="file")
-    return name.strip(), Path(path).expanduser()
-
-
-def _with_file(data: Any, name: str, file_id: str) -> Any:
-    from turnout.files import file_ref, set_field
-
-    return set_field(data, name, file_ref(file_id))
 
 
 def _submit_many(capability: str, path: Path, options: dict[str, Any], wait: bool, as_json: bool) -> None:
@@ -538,51 +522,6 @@ def token_revoke(token_id: str) -> None:
     with _client() as client:
         client.request("DELETE", f"/v1/tokens/{token_id}")
     out.print(f"{token_id}: revoked")
-
-
-@file_app.command("put")
-def file_put(
-    path: Path, name: str | None = typer.Option(None, help="Name to record (default: the file's).")
-) -> None:
-    """Upload a file (streamed); prints {id, size, sha256, ...}. Use {"$file": ID} in a task's input."""
-    if not path.is_file():
-        raise InvalidInput(f"file put: {path} is not a readable file", field="path")
-    with _client() as client:
-        body = client.upload(path, name)
-    out.print_json(json.dumps(body))
-
-
-@file_app.command("get")
-def file_get(
-    file_id: str,
-    output: Path | None = typer.Option(
-        None, "--output", "-o", help="Where to write it (default: ./ID; - for stdout)."
-    ),
-) -> None:
-    """Download a file (streamed, its sha256 checked)."""
-    import tempfile
-
-    with _client() as client:
-        if str(output) == "-":
-            with tempfile.TemporaryDirectory() as tmp:
-                got = client.download(file_id, Path(tmp) / "file")
-                with open(got["path"], "rb") as fh:
-                    while chunk := fh.read(1024 * 1024):
-                        sys.stdout.buffer.write(chunk)
-                sys.stdout.buffer.flush()
-            return
-        got = client.download(file_id, output or Path(file_id))
-    err.print(
-        f"{got['path']}: {got['size']} bytes, sha256 {got['sha256']} (checked)", markup=False, highlight=False
-    )
-
-
-@file_app.command("delete")
-def file_delete(file_id: str) -> None:
-    """Delete a file now (files also expire after the controller's file_retention_s)."""
-    with _client() as client:
-        client.delete_file(file_id)
-    out.print(f"{file_id}: deleted")
 
 
 @app.command()
