@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from turnout.cli_files import file_app, file_flag, with_file
 from turnout.config import DEFAULT_PORT, parse_limit_flags
 from turnout.errors import InvalidInput, TurnoutError
 
@@ -27,6 +28,7 @@ app = typer.Typer(
 )
 token_app = typer.Typer(no_args_is_help=True, help="Make, list and revoke API tokens (admin).")
 app.add_typer(token_app, name="token")
+app.add_typer(file_app, name="file")  # turnout file put|get|delete (cli_files.py)
 out = Console()
 err = Console(stderr=True)
 
@@ -52,6 +54,20 @@ def main() -> None:
                 f"unexpected {type(exc).__name__}: {exc}", "please report this with the command you ran"
             )
         )
+
+
+@app.callback()
+def _options(
+    ca_cert: Path | None = typer.Option(
+        None,
+        "--ca-cert",
+        envvar="TURNOUT_CA_CERT",
+        help="PEM of a private CA that signed the controller's certificate.",
+    ),
+) -> None:
+    """Send every ML and data task to the hardware that suits it."""
+    if ca_cert is not None:  # read by every client this process makes (turnout.client.default_ca_cert)
+        os.environ["TURNOUT_CA_CERT"] = str(ca_cert)
 
 
 def _die(line: str) -> None:
@@ -89,6 +105,9 @@ def up(
     presets: Path | None = typer.Option(None, help="Model presets file served by the local worker."),
     config: Path | None = typer.Option(None, help="turnout.yaml: prices, pipelines, limits, escalation."),
     no_auth: bool = typer.Option(False, "--no-auth", help="No tokens (loopback only)."),
+    storage: Path | None = typer.Option(
+        None, "--storage", help="Directory for files (task inputs and outputs); default $TURNOUT_HOME/files."
+    ),
     request_limit: list[str] = typer.Option(
         [], "--request-limit", help="NAME=VALUE, repeatable: a request size limit, e.g. max_body_bytes=16Mi."
     ),
@@ -101,7 +120,8 @@ def up(
     _logging(verbose, log_format)
     state = _home(home)
     parts = build_controller(db=default_db(state), home=state, config=config, auth=not no_auth, host=host,
-                             fresh_admin_token=True, limit_flags=parse_limit_flags(request_limit))  # fmt: skip
+                             fresh_admin_token=True, limit_flags=parse_limit_flags(request_limit),
+                             storage=storage)  # fmt: skip
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     out.print(f"[bold]Turnout[/bold] controller at {url}  (state in {state})")
     if parts.admin_token:
@@ -149,6 +169,11 @@ def controller(
     tls_cert: Path | None = typer.Option(None, help="PEM certificate for HTTPS."),
     tls_key: Path | None = typer.Option(None, help="PEM key for HTTPS."),
     heartbeat_s: float = typer.Option(5.0, help="Default worker heartbeat period."),
+    storage: Path | None = typer.Option(
+        None,
+        "--storage",
+        help="Directory for files (task inputs and outputs); default $TURNOUT_HOME/files; replicas share one.",
+    ),
     request_limit: list[str] = typer.Option(
         [], "--request-limit", help="NAME=VALUE, repeatable: a request size limit, e.g. max_body_bytes=16Mi."
     ),
@@ -163,7 +188,8 @@ def controller(
         raise InvalidInput("--tls-cert and --tls-key go together", field="tls-cert")
     state = _home(home)
     parts = build_controller(db=db or default_db(state), home=state, config=config, auth=not no_auth, host=host,
-                             heartbeat_s=heartbeat_s, limit_flags=parse_limit_flags(request_limit))  # fmt: skip
+                             heartbeat_s=heartbeat_s, limit_flags=parse_limit_flags(request_limit),
+                             storage=storage)  # fmt: skip
     if parts.admin_token:
         out.print(f"admin token: {parts.admin_token}  (saved to {state / 'admin.token'})")
     scheme = "https" if tls_cert else "http"
@@ -202,6 +228,15 @@ def worker(
         envvar="TURNOUT_CONTAINMENT",
         help="Kernel mechanisms that end task processes with the worker: auto, none, or a list of "
         "pdeathsig,cgroup,pid_namespace.",
+    ),
+    ca_cert: Path | None = typer.Option(
+        None,
+        "--ca-cert",
+        envvar="TURNOUT_CA_CERT",
+        help="PEM of a private CA that signed the controller's certificate.",
+    ),
+    storage: Path | None = typer.Option(
+        None, "--storage", help="The controller's file storage, mounted here (NFS): files move without HTTP."
     ),
     log_format: str = typer.Option("text", "--log-format", help=LOG_FORMAT_HELP),
     isolation: str = typer.Option(
@@ -252,7 +287,8 @@ def worker(
     settings = AgentSettings(controller_url=controller_url or default_url(), token=token or default_token(),
                              name=name or socket.gethostname(), gpus=gpus, strategy=strategy, cpus=cpus,
                              heartbeat_s=heartbeat_s, canary_command=shlex.split(canary) if canary else None,
-                             canary_backoff_s=canary_backoff_s, scrub_command=scrub_command)  # fmt: skip
+                             canary_backoff_s=canary_backoff_s, scrub_command=scrub_command, ca_cert=ca_cert,
+                             storage=storage.expanduser() if storage else None)  # fmt: skip
     run_agent_until_signalled(Agent(settings, runnables, discovery))
 
 
@@ -286,6 +322,9 @@ def submit(
     follow: bool = typer.Option(False, "--follow", "-f", help="Stream events as they come."),
     timeout_s: float | None = typer.Option(None, help="Fail the task after this many seconds of running."),
     priority: int = typer.Option(0),
+    file: list[str] = typer.Option(
+        [], "--file", help='NAME=PATH, repeatable: upload PATH and put {"$file": ID} at input NAME.'
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the task (or tasks) as JSON."),
 ) -> None:
     """Submit a task; with --follow, stream its events; with --inputs, submit a batch with progress bars."""
@@ -298,8 +337,12 @@ def submit(
     if inputs is not None:
         _submit_many(capability, inputs, options, wait or follow, as_json)
         return
+    data = _json_arg(input, "--input")
+    named = [file_flag(f) for f in file]
     with _client() as client:
-        handle = client.submit(capability, _json_arg(input, "--input"), **options)
+        for name, path in named:
+            data = with_file(data, name, client.upload(path)["id"])
+        handle = client.submit(capability, data, **options)
         if not (wait or follow):
             out.print_json(
                 json.dumps(handle.task if as_json else {"id": handle.id, "state": handle.task["state"]})
@@ -553,10 +596,10 @@ def doctor(
 ) -> None:
     """Check this host before it serves as a worker, and say how to fix each problem; exit 0 only when it can."""
     from turnout import doctor as checks
-    from turnout.client import default_token, default_url
+    from turnout.client import default_ca_cert, default_token, default_url
 
     settings = checks.DoctorSettings(controller_url=controller_url or default_url(),
-                                     token=token or default_token(), gpus=gpus)  # fmt: skip
+                                     token=token or default_token(), gpus=gpus, ca_cert=default_ca_cert())  # fmt: skip
     found = checks.run(settings)
     ok = checks.can_serve(found)
     if as_json:

@@ -24,6 +24,7 @@ import httpx
 from turnout.config import DEFAULT_PORT
 from turnout.errors import HTTP_STATUS, InvalidInput, RateLimited, TurnoutError, Unavailable
 from turnout.jsonsafe import problem
+from turnout.tls import async_client
 
 T = TypeVar("T")
 log = logging.getLogger("turnout.client")
@@ -33,6 +34,12 @@ _BY_STATUS: dict[int, type[TurnoutError]] = {code: cls for cls, code in HTTP_STA
 
 def default_url() -> str:
     return os.environ.get("TURNOUT_URL") or f"http://127.0.0.1:{DEFAULT_PORT}"
+
+
+def default_ca_cert() -> Path | None:
+    """A private CA to trust for an https controller: `TURNOUT_CA_CERT` (a PEM file), else the system's."""
+    value = os.environ.get("TURNOUT_CA_CERT")
+    return Path(value).expanduser() if value else None
 
 
 def default_token() -> str | None:
@@ -112,13 +119,15 @@ class AsyncClient:
         *,
         timeout_s: float = 30.0,
         rate_limit_wait_s: float = 60.0,
+        ca_cert: str | Path | None = None,
     ) -> None:
         self.url = (url or default_url()).rstrip("/")
         self.rate_limit_wait_s = rate_limit_wait_s
         token = token or default_token()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.http = httpx.AsyncClient(
-            base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout_s, read=None)
+        ca = Path(ca_cert).expanduser() if ca_cert else default_ca_cert()
+        self.http = async_client(
+            base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout_s, read=None), ca_cert=ca
         )
 
     async def __aenter__(self) -> AsyncClient:
@@ -210,6 +219,28 @@ class AsyncClient:
             if page.get("next_cursor") is None:
                 return out
             params["cursor"] = page["next_cursor"]
+
+    async def upload(self, path: str | Path, name: str | None = None) -> dict[str, Any]:
+        """Upload a file (streamed from disk); returns `{id, name, size, sha256, ...}`. Put `{"$file": id}`
+        in a task's input to hand it to the task."""
+        from turnout.files import upload
+
+        try:
+            return await upload(self.http, Path(path), name=name)
+        except httpx.ConnectError as exc:
+            raise Unavailable(f"cannot reach the Turnout controller at {self.url}: {exc}") from None
+
+    async def download(self, file_id: str, dest: str | Path) -> dict[str, Any]:
+        """Download a file to `dest` (streamed to disk, its sha256 checked); returns `{id, size, sha256, path}`."""
+        from turnout.files import download
+
+        try:
+            return await download(self.http, file_id, Path(dest))
+        except httpx.ConnectError as exc:
+            raise Unavailable(f"cannot reach the Turnout controller at {self.url}: {exc}") from None
+
+    async def delete_file(self, file_id: str) -> dict[str, Any]:
+        return await self.request("DELETE", f"/v1/files/{file_id}")
 
     async def run_pipeline(self, name: str, input: Any, **options: Any) -> dict[str, Any]:
         return await self.request("POST", f"/v1/pipelines/{name}/runs", json={"input": input, **options})
@@ -321,9 +352,14 @@ class Client:
         *,
         timeout_s: float = 30.0,
         rate_limit_wait_s: float = 60.0,
+        ca_cert: str | Path | None = None,
     ) -> None:
         self._loop = _Loop()
-        self._async = self._loop.run(_make_async(url, token, timeout_s, rate_limit_wait_s))
+        try:
+            self._async = self._loop.run(_make_async(url, token, timeout_s, rate_limit_wait_s, ca_cert))
+        except BaseException:
+            self._loop.close()
+            raise
         self.url = self._async.url
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -352,7 +388,7 @@ class Client:
 
     def __getattr__(self, name: str) -> Any:
         """get_task, get_result, cancel, tasks, workers, capabilities, create_token, list_tokens, revoke_token,
-        audit, run_pipeline: run the async twin."""
+        audit, run_pipeline, upload, download, delete_file: run the async twin."""
         method = getattr(self._async, name)
         if not asyncio.iscoroutinefunction(method):
             raise AttributeError(name)
@@ -360,6 +396,6 @@ class Client:
 
 
 async def _make_async(
-    url: str | None, token: str | None, timeout_s: float, rate_limit_wait_s: float
+    url: str | None, token: str | None, timeout_s: float, rate_limit_wait_s: float, ca_cert: str | Path | None
 ) -> AsyncClient:
-    return AsyncClient(url, token, timeout_s=timeout_s, rate_limit_wait_s=rate_limit_wait_s)
+    return AsyncClient(url, token, timeout_s=timeout_s, rate_limit_wait_s=rate_limit_wait_s, ca_cert=ca_cert)

@@ -51,6 +51,9 @@ class RequestLimits:
     max_labels: int = 32  # labels on one task
     max_label_bytes: int = 256  # one label's key, or its value, in UTF-8
     max_events_per_request: int = 10_000  # events in one POST /v1/workers/{id}/events
+    max_file_bytes: int = (
+        16 * 1024 * MiB
+    )  # one file uploaded to POST /v1/files (streamed to disk, never held)
 
     def describe(self, name: str) -> str:
         """`limit 8 MiB (max_body_bytes)`: what a 413 says, so the user knows which setting to change."""
@@ -111,6 +114,9 @@ class ControllerSettings:
     lease_window: int = 200  # queued tasks looked at per lease request
     max_lease_wait_s: float = 30.0
     placement_policy: str = "fgd"  # which GPU worker a task goes to: fgd, bestfit, random
+    recheck_s: float = 1.0  # a parked long poll looks again this often unwoken (long_poll_recheck_s)
+    storage_dir: Path | None = None  # files' bytes (--storage; $TURNOUT_HOME/files); None: no file routes
+    file_retention_s: float = 7 * 86_400.0  # a file is deleted this long after it was made (0: kept for ever)
     prices: Prices = field(default_factory=Prices)
     request_limits: RequestLimits = field(default_factory=RequestLimits)  # `request_limits:`, per request
     tenant_limits: LimitsTable = field(default_factory=LimitsTable)  # `limits:`, per tenant
@@ -169,9 +175,17 @@ def controller_settings(
         limits = replace(
             limits, **_fields_of(parse_request_limits(dict(limit_flags), "--request-limit"), limit_flags)
         )
+    recheck = raw.get("long_poll_recheck_s", 1.0)
+    if isinstance(recheck, bool) or not isinstance(recheck, int | float) or not 0.05 <= recheck <= 300:
+        raise InvalidInput(f"long_poll_recheck_s: expected seconds in 0.05..300, got {recheck!r}",
+                           field="long_poll_recheck_s")  # fmt: skip
+    retention = raw.get("file_retention_s", ControllerSettings.file_retention_s)
+    if isinstance(retention, bool) or not isinstance(retention, int | float) or retention < 0:
+        raise InvalidInput(f"file_retention_s: expected seconds >= 0 (0: kept for ever), got {retention!r}",
+                           field="file_retention_s")  # fmt: skip
     tenant_limits = parse_limits(raw.get("limits"), str(config_path) if config_path else None)
     return ControllerSettings(prices=prices, request_limits=limits, tenant_limits=tenant_limits, raw_config=raw,
-                              **overrides)  # fmt: skip
+                              recheck_s=float(recheck), file_retention_s=float(retention), **overrides)  # fmt: skip
 
 
 def _fields_of(limits: RequestLimits, names: Mapping[str, str]) -> dict[str, int]:

@@ -20,6 +20,7 @@ from turnout import placement
 from turnout.access import ALL_TENANTS, worker_serves
 from turnout.config import ControllerSettings
 from turnout.errors import Conflict, IdempotencyConflict, InvalidInput, NotFound
+from turnout.files import refs_in
 from turnout.gpu.allocation import (
     GpuGrant,
     add_grant,
@@ -39,6 +40,7 @@ from turnout.models import (
 )
 from turnout.routing import ClusterView, Route, WorkerOffer, route, servable
 from turnout.store import SqlStore
+from turnout.store.files import FileRecords
 from turnout.tenancy import TenantBuckets, fair_order, gpu_allocation_rule, round_robin
 
 log = logging.getLogger("turnout.controller")
@@ -119,6 +121,7 @@ class Controller:
         for spec, prefix, waits in zip(specs, where, patient, strict=True):
             if not waits:
                 self._check_known(spec.capability, f"{prefix}capability", tenant)
+        self._check_files(tenant, specs, where)
         now = self.clock()
         tasks = [
             Task(
@@ -157,6 +160,18 @@ class Controller:
         serves = self.store.worker_tenants()
         return {v.capability for w in self.store.list_workers(include_gone=True)
                 if worker_serves(serves.get(w.id, ALL_TENANTS), tenant) for v in w.variants}  # fmt: skip
+
+    def _check_files(self, tenant: str, specs: Sequence[TaskSpec], where: Sequence[str]) -> None:
+        """Every `{"$file": ID}` in the inputs names a file of this tenant (another tenant's is not there)."""
+        refs = [(f"{prefix}{path}", file_id) for spec, prefix in zip(specs, where, strict=True)
+                for path, file_id in refs_in(spec.input)]  # fmt: skip
+        if not refs:
+            return
+        owned = FileRecords(self.store).owned({file_id for _, file_id in refs}, tenant)
+        for path, file_id in refs:
+            if file_id not in owned:
+                raise InvalidInput(f"{path}: no file {file_id!r} (upload it with POST /v1/files or "
+                                   "`turnout file put`)", field=path)  # fmt: skip
 
     def _remember_capabilities(self, variants: Sequence[Variant], now: float) -> None:
         names = {v.capability for v in variants} - self._known
@@ -523,14 +538,22 @@ class Controller:
     # ---- results -----------------------------------------------------------------------------
 
     def complete(self, worker_id: str, completions: Sequence[Completion]) -> tuple[list[str], list[str]]:
-        """Commit results; returns (accepted, refused). Only the current attempt's report counts."""
+        """Commit results; returns (accepted, refused). Only the current attempt's report counts.
+
+        Idempotent: the same report sent again (its answer was lost on the way, and the worker re-sent it
+        after reconnecting) is accepted again, changing nothing.
+        """
         now = self.clock()
         tasks = {t.id: t for t in self.store.get_tasks(c.task_id for c in completions)}
         updates = []
         finished: list[Task] = []
         requeue: list[tuple[Task, dict[str, Any]]] = []
+        repeated: list[str] = []
         for c in completions:
             t = tasks.get(c.task_id)
+            if t is not None and _already_committed(t, worker_id, c):
+                repeated.append(t.id)
+                continue
             if (
                 t is None
                 or t.worker_id != worker_id
@@ -554,6 +577,7 @@ class Controller:
             finished.append(t)
         accepted = self.store.update_tasks(updates)
         accepted += self._requeue(requeue, now)
+        accepted += repeated
         done = set(accepted)
         for t in finished:
             if t.id in done:
@@ -748,6 +772,13 @@ class Controller:
 
 def _audit_tenant(tenant: str) -> str | None:
     return None if tenant == ALL_TENANTS else tenant
+
+
+def _already_committed(task: Task, worker_id: str, c: Completion) -> bool:
+    """Whether `c` repeats the report that ended `task`: same worker, same attempt, same outcome."""
+    if task.worker_id != worker_id or task.attempts != c.attempt:
+        return False
+    return task.state is (TaskState.SUCCEEDED if c.succeeded else TaskState.FAILED)
 
 
 def _undelivered(task: Task) -> int:

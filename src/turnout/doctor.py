@@ -30,6 +30,8 @@ from urllib.parse import urlparse
 
 import httpx
 
+from turnout.tls import tls_verify
+
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 MIN_PYTHON = (3, 10)
 CLOCK_WARN_S = 1.0
@@ -55,6 +57,7 @@ class DoctorSettings:
     token: str | None
     gpus: str = "auto"
     timeout_s: float = 5.0
+    ca_cert: Path | None = None  # a private CA the worker will trust (--ca-cert, TURNOUT_CA_CERT)
 
 
 def can_serve(checks: Sequence[Check]) -> bool:
@@ -215,7 +218,7 @@ def check_controller(settings: DoctorSettings) -> list[Check]:
     checks: list[Check] = []
     sent = time.time()
     try:
-        resp = httpx.get(f"{url}/healthz", timeout=settings.timeout_s)
+        resp = httpx.get(f"{url}/healthz", timeout=settings.timeout_s, verify=tls_verify(settings.ca_cert))
     except httpx.ConnectError as exc:
         if _is_tls_error(exc):
             return [Check("controller", OK, f"{url} answers"), _tls_failure(url, exc)]
@@ -255,7 +258,8 @@ def _is_tls_error(exc: BaseException) -> bool:
 
 def _tls_failure(url: str, exc: BaseException) -> Check:
     return Check("tls", FAIL, f"{url}'s certificate is not trusted here: {_reason(exc)}",
-                 "give this host the CA that signed the controller's certificate: SSL_CERT_FILE=/path/ca.pem "
+                 "give this host the CA that signed the controller's certificate: --ca-cert /path/ca.pem "
+                 "(TURNOUT_CA_CERT; or SSL_CERT_FILE=/path/ca.pem) "
                  "(or add it to the system store: cp ca.pem /usr/local/share/ca-certificates/turnout.crt && "
                  "update-ca-certificates)")  # fmt: skip
 
@@ -291,7 +295,12 @@ def _token_check(url: str, settings: DoctorSettings) -> Check:
     )
     headers = {"Authorization": f"Bearer {settings.token}"} if settings.token else {}
     try:
-        resp = httpx.get(f"{url}/v1/whoami", headers=headers, timeout=settings.timeout_s)
+        resp = httpx.get(
+            f"{url}/v1/whoami",
+            headers=headers,
+            timeout=settings.timeout_s,
+            verify=tls_verify(settings.ca_cert),
+        )
     except httpx.HTTPError as exc:
         return Check("token", FAIL, f"could not ask the controller about the token: {_reason(exc)}", make)
     body = _json(resp)

@@ -29,6 +29,8 @@ from turnout.controller import Controller
 from turnout.errors import InvalidInput
 from turnout.models import Role
 from turnout.store import open_store
+from turnout.store.notify import ReplicaBus
+from turnout.store.replicas import clock_for
 
 log = logging.getLogger("turnout")
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -58,20 +60,29 @@ def build_controller(
     heartbeat_s: float = 5.0,
     fresh_admin_token: bool = False,
     limit_flags: Mapping[str, str] | None = None,
+    storage: Path | None = None,
 ) -> ControllerParts:
     if not auth and host not in LOOPBACK:
         raise InvalidInput(
             f"--no-auth is refused unless the controller listens on loopback only (not {host})",
             field="no-auth",
         )
-    settings = controller_settings(config, heartbeat_s=heartbeat_s, limit_flags=limit_flags)
+    files_dir = Path(storage).expanduser() if storage else home / "files"  # task inputs and outputs
+    settings = controller_settings(
+        config, heartbeat_s=heartbeat_s, limit_flags=limit_flags, storage_dir=files_dir
+    )
     private_dir(home)
     store = open_store(db)
     tokens = TokenBook(store)
     token = None
     if auth:
         token = _admin_token(store, tokens, home, fresh_admin_token)
-    return ControllerParts(Service(Controller(store, settings), tokens, auth=auth), token)
+    # PostgreSQL may be shared by several replicas: they judge time by the database's clock, and wake each
+    # other's long polls (store/replicas.py, store/notify.py)
+    bus = ReplicaBus(store.url) if store.dialect == "postgresql" else None
+    controller = Controller(store, settings, clock=clock_for(store))
+    service = Service(controller, tokens, auth=auth, bus=bus, recheck_s=settings.recheck_s)
+    return ControllerParts(service, token)
 
 
 def _admin_token(store: object, tokens: TokenBook, home: Path, fresh: bool) -> str | None:

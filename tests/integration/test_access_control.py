@@ -30,6 +30,8 @@ ROLES_FOR = {
     "admin": {"admin"},
     "any": {"admin", "submit", "worker", "read"},  # any valid token: who am I
 }
+NO_FILE = "f_" + "0" * 28
+NO_TASK = {"task": "t_0123456789abcdef01234567", "attempt": 1}
 REGISTER = {"name": "probe", "host": "h", "variants": [{"capability": "count", "device": "cpu"}], "cpu": 1,
             "memory": 2**30}  # fmt: skip
 
@@ -37,14 +39,16 @@ REGISTER = {"name": "probe", "host": "h", "variants": [{"capability": "count", "
 @dataclass(frozen=True)
 class Row:
     """One route's contract. `obj`: what its path or tenant parameter names, and so who owns the call:
-    task / token / worker (another tenant's: 404), self (the worker protocol: only the worker itself, else
-    403), tenant (a tenant named in the query or body: another's is `cross`), None (no one's)."""
+    task / token / worker / file (another tenant's: 404), self (the worker protocol: only the worker itself,
+    else 403), tenant (a tenant named in the query or body: another's is `cross`), None (no one's)."""
 
     action: str | None  # None: public
     obj: str | None = None
     body: Callable[[str], Any] | None = None  # owner tenant -> JSON body
     params: Callable[[str], dict[str, Any]] | None = None
     cross: int = 404
+    content: bytes | None = None  # a raw body (a file upload) instead of JSON
+    allowed: int | None = None  # what an allowed caller gets where a 2xx needs more than this table sets up
 
 
 ROUTES: dict[tuple[str, str], Row] = {
@@ -73,6 +77,21 @@ ROUTES: dict[tuple[str, str], Row] = {
     ("GET", "/v1/tokens"): Row("admin", "tenant", params=lambda o: {"tenant": o}),
     ("DELETE", "/v1/tokens/{token_id}"): Row("admin", "token"),
     ("GET", "/v1/audit"): Row("admin", "tenant", params=lambda o: {"tenant": o}),
+    ("POST", "/v1/files"): Row("submit", content=b"probe"),
+    # recording a file already in the shared storage: this controller has none there, so allowed is a 422
+    ("POST", "/v1/files/shared"): Row("submit", body=lambda o: {"id": NO_FILE}, allowed=422),
+    ("GET", "/v1/files/{file_id}"): Row("read", "file"),
+    ("HEAD", "/v1/files/{file_id}"): Row("read", "file"),
+    ("DELETE", "/v1/files/{file_id}"): Row("submit", "file"),
+    # a worker's transfers are for a task it holds (tests/integration/test_files.py); here it holds none: 404
+    ("POST", "/v1/workers/{worker_id}/files"): Row("worker", "self", content=b"out", params=lambda o: NO_TASK,
+                                                   allowed=404),
+    ("POST", "/v1/workers/{worker_id}/files/shared"): Row("worker", "self", body=lambda o: {"id": NO_FILE},
+                                                          params=lambda o: NO_TASK, allowed=404),
+    ("GET", "/v1/workers/{worker_id}/files/{file_id}"): Row("worker", "self", params=lambda o: NO_TASK,
+                                                            allowed=404),
+    ("HEAD", "/v1/workers/{worker_id}/files/{file_id}"): Row("worker", "self", params=lambda o: NO_TASK,
+                                                             allowed=404),
 }  # fmt: skip
 
 # public, and outside the schema: Prometheus text, and the dashboard's HTML shell (its data is /v1/dashboard)
@@ -112,6 +131,12 @@ class Tenants:
         assert resp.status_code == 201, resp.text
         return str(resp.json()["id"])
 
+    def file(self, owner: str) -> str:
+        resp = self.call(self.token(f"{owner}-submit"), "POST", "/v1/files", content=b"owned",
+                         headers={"Content-Type": "application/octet-stream"})  # fmt: skip
+        assert resp.status_code == 201, resp.text
+        return str(resp.json()["id"])
+
     def make_token(self, owner: str) -> str:
         resp = self.call(self.cluster.token, "POST", "/v1/tokens", json={"role": "read", "tenant": owner})
         assert resp.status_code == 201, resp.text
@@ -146,10 +171,11 @@ def expected(caller: str, role: str, caller_tenant: str, row: Row, owner: str) -
         return "ok"
     if role not in ROLES_FOR[row.action]:
         return 403
+    ok: int | str = "ok" if row.allowed is None else row.allowed
     if row.obj == "self":
-        return "ok"  # the worker routes are called for the caller's own worker here (others': see below)
+        return ok  # the worker routes are called for the caller's own worker here (others': see below)
     if row.obj is None or caller_tenant == "*" or owner == caller_tenant:
-        return "ok"
+        return ok
     return row.cross
 
 
@@ -198,6 +224,8 @@ def test_each_route_answers_each_caller_as_the_contract_says(tenants: Tenants, c
             url = path
             if row.obj == "task":
                 url = path.replace("{task_id}", tenants.task(owner))
+            elif row.obj == "file":
+                url = path.replace("{file_id}", tenants.file(owner))
             elif row.obj == "token":
                 url = path.replace("{token_id}", tenants.make_token(owner))
             elif row.obj == "worker":
@@ -208,8 +236,12 @@ def test_each_route_answers_each_caller_as_the_contract_says(tenants: Tenants, c
                     headers["X-Worker-Secret"] = secret
                 else:
                     worker_id = tenants.worker(tenants.token(f"{owner}-victim"))[0]
-                url = path.replace("{worker_id}", worker_id)
+                url = path.replace("{worker_id}", worker_id).replace("{file_id}", NO_FILE)
+            if row.content is not None:
+                headers["Content-Type"] = "application/octet-stream"
             kwargs: dict[str, Any] = {"headers": headers}
+            if row.content is not None:
+                kwargs["content"] = row.content
             if row.body is not None:
                 kwargs["json"] = row.body(owner)
             if row.params is not None:
@@ -247,6 +279,14 @@ def test_a_worker_route_for_another_workers_id_is_403_whoever_asks(tenants: Tena
         # holding another worker's lifeline would keep it judged alive after its death
         lifeline = tenants.call(token, "GET", f"/v1/workers/{victim}/lifeline", headers=headers)
         assert lifeline.status_code == 403, (why, "lifeline", lifeline.text)
+        # nor may anyone else fetch the files of the task it holds, or send outputs in its name
+        fetch = tenants.call(
+            token, "GET", f"/v1/workers/{victim}/files/{NO_FILE}", params=NO_TASK, headers=headers
+        )
+        assert fetch.status_code == 403, (why, "files", fetch.text)
+        send = tenants.call(token, "POST", f"/v1/workers/{victim}/files", params=NO_TASK, content=b"x",
+                            headers={**headers, "Content-Type": "application/octet-stream"})  # fmt: skip
+        assert send.status_code == 403, (why, "files upload", send.text)
     ok = {"X-Worker-Secret": victim_secret}
     assert tenants.call(tenants.token("globex-victim"), "POST", f"/v1/workers/{victim}/heartbeat", json={},
                         headers=ok).status_code == 200  # fmt: skip

@@ -202,7 +202,12 @@ def test_a_sandboxed_program_cannot_read_another_tasks_files_or_write_outside_it
     assert (out["own_write"], out["tmp_write"]) == ("ok", "ok")
     assert out["home"] == out["cwd"]
     # the worker's own environment stays outside (TURNOUT_URL, TURNOUT_HOME, ...); the contract's is there
-    assert not any(k.startswith("TURNOUT_") and k != "TURNOUT_TASK_ID" for k in out["env"]), out["env"]
+    contract = {
+        "TURNOUT_TASK_ID",
+        "TURNOUT_INPUT_FILES",
+        "TURNOUT_OUTPUT_DIR",
+    }  # the task's own (files: issue 11)
+    assert not any(k.startswith("TURNOUT_") and k not in contract for k in out["env"]), out["env"]
     assert {"MODEL_NAME", "MODEL_PATH", "CUDA_VISIBLE_DEVICES", "TURNOUT_TASK_ID", "PATH"} <= set(out["env"])
     assert done["isolation"]["writable"][0] == out["cwd"]
 

@@ -86,3 +86,16 @@ def test_strict_json_takes_what_json_can_carry() -> None:
     )
     value = strict_loads(body)
     assert value["emoji"] == "\U0001f600" and value["tiny"] == 0.0 and value["text"] == "nan"
+
+
+def test_a_file_upload_has_the_file_limit_while_a_json_body_sent_there_keeps_the_json_one() -> None:
+    limits = RequestLimits()
+    for kind in ("application/octet-stream", "multipart/form-data; boundary=x", "image/png"):
+        assert body_limit_of(limits, "/v1/files", kind) == "max_file_bytes"
+        assert body_limit_of(limits, "/v1/workers/w_1/files", kind) == "max_file_bytes"  # a task's output
+    for kind in ("", "application/json", "application/merge-patch+json; charset=utf-8"):
+        assert body_limit_of(limits, "/v1/files", kind) == "max_body_bytes"
+    assert body_limit_of(limits, "/v1/files/f_x", "application/octet-stream") == "max_body_bytes"
+    assert (
+        body_limit_of(limits, "/v1/workers/w_1/files/shared", "application/octet-stream") == "max_body_bytes"
+    )

@@ -19,7 +19,7 @@ from turnout.worker.sandbox import (
     find_bwrap,
     gpu_node_names,
 )
-from turnout.worker.sandboxed import SandboxOptions, sandbox_host
+from turnout.worker.sandboxed import SandboxOptions, sandbox_host, task_file_binds
 
 BASE = SandboxPlan(bwrap="/bin/bwrap", command=("/usr/bin/python3", "/app/w.py"), workdir="/tmp/root/1-a",
                    workroot="/tmp/root", ro_binds=("/usr", "/etc", "/app"), symlinks=(("usr/bin", "/bin"),),
@@ -74,6 +74,27 @@ def test_mount_order_keeps_tmp_private_and_other_tasks_directories_hidden_under_
     own_dir = position(argv, "--bind", "/tmp/root/1-a")
     assert private_tmp < first_bind < hide_root < own_dir  # later mounts cover earlier ones
     assert position(argv, "--dev", "/dev") < position(argv, "--ro-bind", "/dev/null", "/etc/shadow")
+
+
+def test_a_tasks_input_files_are_read_only_and_its_output_directory_writable_after_the_private_tmp(
+    tmp_path: Path,
+) -> None:
+    # Given a one-off task started with its files (worker/files.py), under the worker's scratch in /tmp
+    photo, out = tmp_path / "in" / "f_1", tmp_path / "out-t_1-1"
+    photo.parent.mkdir()
+    photo.write_bytes(b"x")
+    out.mkdir()
+    env = {"TURNOUT_INPUT_FILES": f'{{"f_1": "{photo}"}}', "TURNOUT_OUTPUT_DIR": str(out)}
+    inputs, outputs = task_file_binds(env)
+    assert (inputs, outputs) == ((str(photo),), (str(out),))
+    # When the sandbox is planned with them, then the inputs are read-only and only the output dir is writable
+    argv = bwrap_argv(
+        SandboxPlan(**{**BASE.__dict__, "ro_binds": (*BASE.ro_binds, *inputs), "rw_binds": outputs})
+    )
+    assert (str(photo), str(photo)) in pairs(argv, "--ro-bind")
+    assert pairs(argv, "--bind") == [("/tmp/root/1-a", "/tmp/root/1-a"), (str(out), str(out))]
+    assert position(argv, "--tmpfs", "/tmp") < position(argv, "--bind", str(out))
+    assert task_file_binds({}) == ((), ())  # a session process, started before its tasks: nothing
 
 
 def test_the_command_comes_last_after_a_double_dash() -> None:

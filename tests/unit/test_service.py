@@ -343,3 +343,49 @@ def test_a_lease_the_worker_lists_is_never_taken_back_however_long_it_runs(tmp_p
     assert ctrl.get_task(None, task.id).worker_id == worker.id
     assert ctrl.get_task(None, task.id).state in (TaskState.LEASED, TaskState.RUNNING)
     ctrl.store.close()
+
+
+class RecordingBus:
+    """Stands in for the LISTEN/NOTIFY bus (store/notify.py): records what this replica publishes."""
+
+    sender = "replica-a"
+
+    def __init__(self) -> None:
+        self.published: list[str] = []
+
+    def publish(self, name: str) -> None:
+        self.published.append(name)
+
+    def close(self) -> None:
+        pass
+
+
+def test_every_wake_up_a_lease_poll_waits_on_crosses_to_the_other_replicas_and_back(tmp_path: Path) -> None:
+    store = open_store(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    bus = RecordingBus()
+
+    async def body(service: Service) -> None:
+        # Given a full worker's poll (it waits on `changes` and its own signal) and a free one's (`queue`)
+        mine = service.worker_signal("w_1")
+        waits = {"changes": service.changes.current(), "queue": service.queue_changed.current(),
+                 "w=w_1": mine.current(), "tasks": service.tasks_changed.current(),
+                 "events": service.events_added.current()}  # fmt: skip
+        # When this replica fires each, every one is published for the other replicas
+        service.changed()
+        mine.notify()
+        service.events_added.notify()
+        assert set(bus.published) >= set(waits)
+        # and when another replica's names arrive, each wakes the same waiters here, publishing nothing back
+        for name in waits:
+            event = {"changes": service.changes, "queue": service.queue_changed, "w=w_1": mine,
+                     "tasks": service.tasks_changed, "events": service.events_added}[name].current()  # fmt: skip
+            before = len(bus.published)
+            service._remote({name})
+            assert event.is_set(), name
+            assert len(bus.published) == before
+        assert all(e.is_set() for e in waits.values())
+
+    try:
+        run_with_service(store, FakeClock(), body, bus=bus)
+    finally:
+        store.close()

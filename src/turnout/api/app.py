@@ -23,7 +23,7 @@ from turnout.access import (
     sees,
     worker_serves,
 )
-from turnout.api import dashboard, errors, lifeline
+from turnout.api import dashboard, errors, files, lifeline
 from turnout.api import metrics as prometheus
 from turnout.api.limits import BodyLimit
 from turnout.api.schemas import (
@@ -42,7 +42,7 @@ from turnout.api.schemas import (
     task_out,
     worker_out,
 )
-from turnout.api.service import POLL_S, Service, Signal
+from turnout.api.service import Service, Signal
 from turnout.api.strictjson import StrictJsonRoute, json_body
 from turnout.auth import WorkerCredential
 from turnout.auth import check as check_worker
@@ -185,7 +185,7 @@ def create_app(service: Service) -> FastAPI:
             left = deadline - time.monotonic()
             if task.state.terminal or left <= 0:
                 return task_out(task)
-            await Signal.wait(signal, min(left, POLL_S))
+            await Signal.wait(signal, min(left, service.recheck_s))
 
     @app.post("/v1/tasks/{task_id}/cancel")
     async def cancel(task_id: str, p: Principal = need(Action.SUBMIT)) -> dict[str, Any]:
@@ -244,7 +244,7 @@ def create_app(service: Service) -> FastAPI:
                     return
                 if await request.is_disconnected():
                     return
-                await Signal.wait(signal, POLL_S)
+                await Signal.wait(signal, service.recheck_s)
 
         return StreamingResponse(
             stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
@@ -375,7 +375,7 @@ def create_app(service: Service) -> FastAPI:
             # a full worker waits for its own capacity (or a cancel, a timeout, a fleet change), not for every new
             # task: under a flood of submissions that would re-run its lease for nothing, hundreds of times a second
             wake = [stops, capacity] if result.full else [queue, capacity]
-            await Signal.wait_any([*wake, service.closing], min(left, POLL_S))
+            await Signal.wait_any([*wake, service.closing], min(left, service.recheck_s))
 
     @app.post("/v1/workers/{worker_id}/complete")
     async def complete(
@@ -485,6 +485,7 @@ def create_app(service: Service) -> FastAPI:
     app.include_router(prometheus.router(service, metrics))
     app.include_router(lifeline.router(service, this_worker()))  # held by the worker itself, as it heartbeats
     dashboard.install(app, service, need, scope, visible_workers)
+    files.install(app, service, need, scope, this_worker())  # /v1/files (api/files.py)
 
     return app
 

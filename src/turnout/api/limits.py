@@ -20,10 +20,19 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from turnout.config import RequestLimits, describe_bytes
 
 _WORKER_BATCH = re.compile(r"^/v1/workers/[^/]+/(events|complete)$")
+_FILE_UPLOAD = re.compile(r"^/v1/(workers/[^/]+/)?files$")  # a user's upload, or a worker's task output
 
 
-def body_limit_of(limits: RequestLimits, path: str) -> str:
-    """The name of the limit that bounds a request body on `path`."""
+FILE_SLACK_BYTES = 64 * 1024  # multipart boundaries and part headers around a file of max_file_bytes
+
+
+def body_limit_of(limits: RequestLimits, path: str, content_type: str = "") -> str:
+    """The name of the limit that bounds a request body on `path` (with its `content_type`).
+
+    A file upload's bytes are streamed to disk, not parsed as JSON, so they have their own, larger limit;
+    a JSON body sent there is held whole like any other and keeps the JSON limit."""
+    if _FILE_UPLOAD.match(path) and not _json_or_none(content_type):
+        return "max_file_bytes"
     if path == "/v1/tasks/batch":
         return "max_batch_body_bytes"
     if _WORKER_BATCH.match(path):
@@ -42,8 +51,8 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        name = body_limit_of(self.limits, scope["path"])
-        limit: int = getattr(self.limits, name)
+        name = body_limit_of(self.limits, scope["path"], _header(scope, b"content-type"))
+        limit: int = getattr(self.limits, name) + (FILE_SLACK_BYTES if name == "max_file_bytes" else 0)
         declared = _content_length(scope)
         if declared is not None and declared > limit:
             await _refuse(send, self.limits, name, f"{describe_bytes(declared)} declared")
@@ -79,6 +88,18 @@ class BodyLimit:
         except Exception:
             if not over:
                 raise  # an app that failed because its client "left" is nobody's error
+
+
+def _json_or_none(content_type: str) -> bool:
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return not kind or kind == "application/json" or kind.endswith("+json")
+
+
+def _header(scope: Scope, name: bytes) -> str:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return str(value.decode("latin-1"))
+    return ""
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -13,9 +13,12 @@ Liveness is judged on the event loop, not the database thread: a heartbeat is st
 going away without coming back within `RECONNECT_GRACE_S` re-queues its tasks at once. A worker whose host
 vanishes without closing its socket is still judged by its heartbeats.
 
-Long polls (lease, result, events) wait on `Signal`s that fire when something they care about changes
-in this process; they also re-check every second, which is what makes several controllers on one
-PostgreSQL database converge without a message bus.
+Long polls (lease, result, events) wait on `Signal`s that fire when something they care about changes.
+Where several controllers share one PostgreSQL database, each signal fired here is also published to the
+other replicas (LISTEN/NOTIFY, `store/notify.py`) and theirs fire here, so a task submitted on one replica
+wakes a worker's lease poll held by another at once. Waiters still re-check every `recheck_s`, so a lost
+wake-up (the bus reconnecting) costs latency, never a stuck task. The periodic sweep runs on one replica
+per round (`store/replicas.py`, `claim_sweep`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from turnout.auth import TokenBook, WorkerKeys
 from turnout.controller import Controller
 from turnout.errors import NotFound, StorageUnavailable
 from turnout.models import GpuMode, TaskSpec, Worker, WorkerState
+from turnout.store.notify import ALL, ANY_WORKER, ReplicaBus
+from turnout.store.replicas import claim_sweep, refresh_statistics
 from turnout.store.sql import is_storage_failure
 from turnout.tenancy import TenantBuckets, admit_submission, gpu_allocation_rule, submit_rule
 
@@ -43,6 +48,7 @@ R = TypeVar("R")
 POLL_S = 1.0
 MAX_GROUP = 512  # calls committed together at most
 HEARTBEAT_ANSWER_S = 0.5  # a heartbeat is answered by then even when its write still waits for the database
+ANALYZE_EVERY_S = 2.0  # how often one replica checks whether the tasks table's statistics went stale
 RECONNECT_GRACE_S = 1.0  # a worker whose held connection dropped has this long to open a new one
 STORAGE_RETRY_AFTER_S = 5.0
 STORAGE_MESSAGE = (
@@ -78,15 +84,25 @@ def storage_unavailable(exc: BaseException) -> StorageUnavailable:
 
 
 class Signal:
-    """A broadcast wake-up: take `current()` before checking, then `wait()` on it; no wake-up is lost."""
+    """A broadcast wake-up: take `current()` before checking, then `wait()` on it; no wake-up is lost.
 
-    def __init__(self) -> None:
+    `notify()` wakes this replica's waiters and tells `publish` (the other replicas, if any); `fire()` wakes
+    only this replica's, for a wake-up that came from another replica.
+    """
+
+    def __init__(self, publish: Callable[[], None] | None = None) -> None:
         self._event = asyncio.Event()
+        self._publish = publish
 
     def current(self) -> asyncio.Event:
         return self._event
 
     def notify(self) -> None:
+        self.fire()
+        if self._publish is not None:
+            self._publish()
+
+    def fire(self) -> None:
         self._event.set()
         self._event = asyncio.Event()
 
@@ -114,6 +130,8 @@ class Service:
         auth: bool = True,
         heartbeat_answer_s: float = HEARTBEAT_ANSWER_S,
         reconnect_grace_s: float = RECONNECT_GRACE_S,
+        bus: ReplicaBus | None = None,
+        recheck_s: float = POLL_S,
     ) -> None:
         self.controller = controller
         self.tokens = tokens
@@ -124,14 +142,20 @@ class Service:
         limits = controller.settings.tenant_limits
         self.submissions = TenantBuckets(submit_rule(limits))
         self.gpu_submissions = TenantBuckets(gpu_allocation_rule(limits))  # GPU-only tasks, at the door
+        self.bus = bus  # the other replicas on this database, if it is PostgreSQL (store/notify.py)
+        self.recheck_s = recheck_s  # how often a parked long poll looks again without a wake-up
+        self.replica_id = bus.sender if bus is not None else "local"
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._db = threading.Thread(target=self._run_jobs, name="turnout-db", daemon=True)
         self._db.start()
         self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="turnout-read")
-        self.queue_changed = Signal()  # new tasks, freed capacity, cancellations
-        self.changes = Signal()  # cancellations, timeouts, workers coming and going: what `changed()` says
-        self.tasks_changed = Signal()  # some task reached a terminal state or changed worker
-        self.events_added = Signal()
+        self.queue_changed = Signal(self._publisher("queue"))  # new tasks, freed capacity, cancellations
+        # cancellations, timeouts, workers coming and going: what `changed()` says (wakes full workers' polls)
+        self.changes = Signal(self._publisher("changes"))
+        self.tasks_changed = Signal(
+            self._publisher("tasks")
+        )  # a task reached a terminal state or changed worker
+        self.events_added = Signal(self._publisher("events"))
         self._worker_signals: dict[
             str, Signal
         ] = {}  # capacity freed on one worker: wakes only its lease poll
@@ -143,6 +167,7 @@ class Service:
         self._lifelines: dict[str, int] = {}  # worker id -> held connections open now
         self._lifeline_epoch: dict[str, int] = {}  # worker id -> connections ever opened
         self._background: set[asyncio.Task[Any]] = set()
+        self._later: list[Callable[[], Coroutine[Any, Any, None]]] = []  # started with the service
         self.closing = asyncio.Event()  # set when the controller begins to stop: held connections end cleanly
 
     # ---- the database thread -------------------------------------------------------------------
@@ -243,8 +268,23 @@ class Service:
     def worker_signal(self, worker_id: str) -> Signal:
         signal = self._worker_signals.get(worker_id)
         if signal is None:
-            signal = self._worker_signals[worker_id] = Signal()
+            signal = self._worker_signals[worker_id] = Signal(self._publisher(f"w={worker_id}"))
         return signal
+
+    def _publisher(self, name: str) -> Callable[[], None] | None:
+        bus = self.bus
+        return None if bus is None else functools.partial(bus.publish, name)
+
+    def _remote(self, names: set[str]) -> None:
+        """Another replica fired these signals (on the event loop): wake our waiters, publish nothing back."""
+        every = ALL in names
+        for name, signal in (("queue", self.queue_changed), ("changes", self.changes),
+                             ("tasks", self.tasks_changed), ("events", self.events_added)):  # fmt: skip
+            if every or name in names:
+                signal.fire()
+        for worker_id, signal in list(self._worker_signals.items()):
+            if every or ANY_WORKER in names or f"w={worker_id}" in names:
+                signal.fire()
 
     def changed(self) -> None:
         self.changes.notify()
@@ -324,6 +364,10 @@ class Service:
         except Exception:  # the heartbeat judgement still applies later
             log.exception("re-queueing the tasks of worker %s (connection closed) failed", worker_id)
 
+    def run_in_background(self, start: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run `start()` from `start()` of the service until it stops (e.g. the files' retention sweep)."""
+        self._later.append(start)
+
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
@@ -333,6 +377,16 @@ class Service:
 
     async def start(self) -> None:
         self._reaper = asyncio.create_task(self._sweep_forever())
+        for start in self._later:
+            self._spawn(start())
+        if self.bus is not None:
+            loop = asyncio.get_running_loop()
+
+            def deliver(names: set[str]) -> None:
+                loop.call_soon_threadsafe(self._remote, names)
+
+            self.bus.deliver = deliver
+            self.bus.start()
 
     def begin_shutdown(self) -> None:
         """The server is going down (a signal): end held connections cleanly, and judge no worker by them.
@@ -355,18 +409,35 @@ class Service:
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+        if self.bus is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.bus.close)
         self._jobs.put(None)
         await asyncio.get_running_loop().run_in_executor(None, self._db.join)
         self._readers.shutdown(wait=True)
         self.controller.store.close()
+
+    def _sweep(self, interval_s: float) -> bool:
+        """One round of the sweep, if this replica claims it (one replica per round; the claim rides in the
+        sweep's transaction). Returns whether anything changed."""
+        ctrl = self.controller
+        if not claim_sweep(ctrl.store, "reap", self.replica_id, ctrl.clock(), interval_s):
+            return False
+        return ctrl.reap(self.heard)
 
     async def _sweep_forever(self) -> None:
         interval = self.controller.settings.reap_interval_s
         failing = False
         while True:
             try:
-                if await self.call(self.controller.reap, self.heard):
+                if await self.call(self._sweep, interval):
                     self.changed()
+                store = self.controller.store
+                if store.dialect == "postgresql" and await self.call(
+                    claim_sweep, store, "analyze", self.replica_id, self.controller.clock(), ANALYZE_EVERY_S
+                ):
+                    await self.read(
+                        refresh_statistics, store
+                    )  # a connection of its own, off the database thread
                 if failing:
                     log.warning("sweep works again")
                 failing = False

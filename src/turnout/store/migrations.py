@@ -57,6 +57,14 @@ def _tenancy(conn: sa.Connection) -> None:
     conn.execute(sa.text("UPDATE tokens SET tenant = '*' WHERE role = 'admin' AND tenant = 'default'"))
 
 
+def _sweeps(conn: sa.Connection) -> None:
+    schema.sweeps.create(conn, checkfirst=True)
+
+
+def _files(conn: sa.Connection) -> None:
+    schema.files.create(conn, checkfirst=True)
+
+
 MIGRATIONS: list[Migration] = [
     (1, "initial tables", _initial),
     (2, "lease-order index; JSON null as SQL NULL", _queue_order_and_nulls),
@@ -66,6 +74,10 @@ MIGRATIONS: list[Migration] = [
     # The sandbox work (issue 10) first numbered the same column 6: here it adds the column only where it is
     # missing, so it is a no-op after 3, and a database that recorded 6 first finds 3 a no-op in turn.
     (6, "tasks.isolation under its first number: a no-op where migration 3 ran", _task_isolation),
+    # 7 is issue 9's. Issue 11 first numbered these 5 and 6; both are create(checkfirst=True), so they are
+    # no-ops where the tables exist already.
+    (8, "sweeps: which replica ran each periodic sweep last", _sweeps),
+    (9, "files: task inputs and outputs", _files),
 ]
 
 

@@ -139,6 +139,30 @@ capabilities = sa.Table(
     sa.Column("first_seen_at", sa.Float, nullable=False),
 )
 
+# files for task inputs and outputs (store/files.py): the bytes live in the storage directory, named by id
+files = sa.Table(
+    "files",
+    metadata,
+    sa.Column("id", sa.String(40), primary_key=True),
+    sa.Column("tenant", sa.String(64), nullable=False),
+    sa.Column("name", sa.String(255)),
+    sa.Column("size", sa.BigInteger, nullable=False),
+    sa.Column("sha256", sa.String(64), nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("expires_at", sa.Float),
+    sa.Column("task_id", sa.String(40)),  # the task whose handler wrote it, for outputs
+    sa.Index("ix_files_expiry", "expires_at"),
+)
+
+# one row per periodic sweep: which replica ran it last, and when (store/replicas.py: one replica per round)
+sweeps = sa.Table(
+    "sweeps",
+    metadata,
+    sa.Column("name", sa.String(64), primary_key=True),
+    sa.Column("holder", sa.String(64), nullable=False),
+    sa.Column("swept_at", sa.Float, nullable=False),
+)
+
 schema_migrations = sa.Table(
     "schema_migrations",
     metadata,

@@ -271,7 +271,12 @@ class SqlStore:
         """
         if capabilities is None:
             capabilities = [name for (name,) in self._capabilities_queued()]
-        query = _QUEUED if tenant is None else _QUEUED_OF
+        if tenant is None:
+            query = _QUEUED_SKIP_LOCKED if self.dialect == "postgresql" else _QUEUED
+        else:
+            query = _QUEUED_OF_SKIP_LOCKED if self.dialect == "postgresql" else _QUEUED_OF
+        # PostgreSQL: rows another replica's lease holds are skipped, not waited for (replicas take different
+        # tasks instead of queueing behind each other); the conditional update still makes each claim once
         params: dict[str, Any] = {"caps": list(capabilities)}
         if tenant is not None:
             params["tenant"] = tenant
@@ -624,6 +629,8 @@ _QUEUED_TENANTS = sa.text(
     " WHERE q.tenant IS NOT NULL"
     ") SELECT tenant FROM q"
 )
+_QUEUED_SKIP_LOCKED = _QUEUED.with_for_update(skip_locked=True)
+_QUEUED_OF_SKIP_LOCKED = _QUEUED_OF.with_for_update(skip_locked=True)
 _GET_WORKER = sa.select(W).where(W.c.id == sa.bindparam("id"))
 _LIVE_WORKERS = sa.select(W).where(W.c.state != WorkerState.GONE.value).order_by(W.c.registered_at)
 _ALL_WORKERS = sa.select(W).order_by(W.c.registered_at)

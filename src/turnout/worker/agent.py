@@ -14,12 +14,14 @@ import contextlib
 import json
 import logging
 import os
+import random
 import socket
 import sys
 import time
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -31,8 +33,10 @@ from turnout.gpu.allocation import GpuRequest, fits_ever
 from turnout.gpu.devices import GpuDevice, units_of
 from turnout.gpu.provider import Discovery, discover
 from turnout.models import Device, Variant
+from turnout.tls import async_client
 from turnout.worker.app import HandlerVariant, WorkerApplication
 from turnout.worker.delivery import Refusal, Replace, deliver
+from turnout.worker.files import TaskFileError, WorkerFiles
 from turnout.worker.gpuwatch import GpuWatch, SharedTask, memory_over_limit, process_tree
 from turnout.worker.processes import Outcome, ProcessPool, ProtocolProcess
 from turnout.worker.reports import (
@@ -66,6 +70,9 @@ class AgentSettings:
     canary_command: list[str] | None = None  # re-admits a quarantined GPU when it exits 0
     canary_backoff_s: float = 30.0  # first wait before a quarantined GPU's canary; doubles on failure
     scrub_command: str | None = None  # run on a GPU before another tenant's task gets it ("builtin": torch)
+    ca_cert: Path | None = None  # trust this CA (PEM) for an https controller, e.g. a private one
+    storage: Path | None = None  # the controller's file storage, mounted here: files move without HTTP
+    lease_wait_s: float = 20.0  # how long one lease request waits for work at the controller
 
 
 class ScrubFailed(Exception):
@@ -110,7 +117,13 @@ def _python_pool(app_ref: str, hv: HandlerVariant, base_env: dict[str, str]) -> 
 
 def _wrapped_line(lease: dict[str, Any]) -> str:
     return json.dumps({"task_id": lease["id"], "attempt": lease["attempt"], "input": lease["input"],
-                       "gpus": list((lease.get("gpus") or {}).get("uuids", []))})  # fmt: skip
+                       "gpus": list((lease.get("gpus") or {}).get("uuids", [])),
+                       "files": lease.get("files") or {}, "output_dir": lease.get("output_dir")})  # fmt: skip
+
+
+def jittered(delay_s: float) -> float:
+    """Half to all of `delay_s`: workers cut off together do not all come back in the same instant."""
+    return delay_s * (0.5 + random.random() / 2)
 
 
 def grant_key(grant: dict[str, Any] | None) -> tuple[str, ...]:
@@ -144,10 +157,15 @@ class Agent:
             canary_backoff_s=settings.canary_backoff_s,
         )
         self._shared: dict[str, SharedTask] = {}  # running tasks that hold a share of a GPU's memory
+        self._isolation: dict[
+            str, Any
+        ] = {}  # task id -> what holds its started process, however its run ends
         self._stop_reason: dict[str, dict[str, Any]] = {}  # why the worker itself stopped a task
         headers = {"Authorization": f"Bearer {settings.token}"} if settings.token else {}
-        self.http = httpx.AsyncClient(base_url=settings.controller_url.rstrip("/"), headers=headers,
-                                      timeout=httpx.Timeout(10.0, read=90.0), transport=transport)  # fmt: skip
+        self.http = async_client(base_url=settings.controller_url.rstrip("/"), headers=headers,
+                                 timeout=httpx.Timeout(10.0, read=90.0), transport=transport,
+                                 ca_cert=settings.ca_cert)  # fmt: skip
+        self.files = WorkerFiles(self.http, storage=settings.storage)
         self.worker_id: str | None = None
         self.running: dict[str, asyncio.Task[None]] = {}
         self._completions: list[dict[str, Any]] = []
@@ -219,6 +237,7 @@ class Agent:
         for r in self.runnables.values():
             await r.pool.close()
         await self.http.aclose()
+        self.files.close()
 
     async def register(self) -> None:
         body = {
@@ -243,6 +262,7 @@ class Agent:
                 self.worker_id = answer["id"]
                 # who we are, on every later call (registering again included): our token and this secret
                 self.http.headers[WORKER_SECRET_HEADER] = answer["secret"]
+                self.files.worker_id = self.worker_id
                 self._registered.set()
                 log.info(
                     "registered as %s with %d variants, %d GPUs",
@@ -255,7 +275,7 @@ class Agent:
                 log.warning(
                     "controller not reachable at %s (%s); retrying", self.settings.controller_url, exc
                 )
-                await asyncio.sleep(delay)
+                await asyncio.sleep(jittered(delay))
                 delay = min(delay * 2, 5.0)
 
     # ---- loops ---------------------------------------------------------------------------------
@@ -268,8 +288,10 @@ class Agent:
             try:
                 metrics = await asyncio.get_running_loop().run_in_executor(None, self._metrics)
                 self._enforce_memory_limits()
+                # bounded by the period: a beat stuck on a dead connection must not hold back the next ones
                 resp = await self.http.post(f"/v1/workers/{self.worker_id}/heartbeat",
-                                            json={"metrics": metrics, "quarantined": self.watch.quarantined()})  # fmt: skip
+                                            json={"metrics": metrics, "quarantined": self.watch.quarantined()},
+                                            timeout=max(2.0, 2 * self.settings.heartbeat_s))  # fmt: skip
                 if resp.status_code == 404:
                     await self.register()
             except httpx.HTTPError as exc:
@@ -316,9 +338,11 @@ class Agent:
                     # lease this worker does not list (its answer was lost), so list all it still holds
                     json={
                         "max_tasks": self.settings.max_lease,
-                        "wait_s": 20,
+                        "wait_s": self.settings.lease_wait_s,
                         "running": [*self.running, *(c["task_id"] for c in self._completions)],
                     },
+                    # an answer lost on a dead connection is given up soon after the controller would have sent it
+                    timeout=httpx.Timeout(10.0, read=self.settings.lease_wait_s + 15.0),
                 )
                 if resp.status_code == 404:
                     await self.register()
@@ -327,7 +351,7 @@ class Agent:
                 delay = 0.2
             except httpx.HTTPError as exc:
                 log.warning("lease failed: %s", exc)
-                await asyncio.sleep(delay)
+                await asyncio.sleep(jittered(delay))
                 delay = min(delay * 2, 5.0)
                 continue
             body = resp.json()
@@ -354,7 +378,6 @@ class Agent:
             self._events.append({"task_id": task_id, "attempt": attempt, "event": event})
             self._events_ready.set()
 
-        isolation: dict[str, Any] | None = None
         try:
             if runnable is None:
                 outcome = Outcome(
@@ -365,29 +388,13 @@ class Agent:
                     },
                 )
             else:
-                key = grant_key(lease.get("gpus"))
-                tenant = str(lease.get("tenant") or "default")
-                await self._hand_over(task_id, lease.get("gpus") or {}, tenant)
-                proc = await self._acquire(runnable, key, task_id, tenant)
-                reusable = False
-                grant = lease.get("gpus") or {}
-                if grant and not grant.get("exclusive") and proc.pid:
-                    self._shared[task_id] = SharedTask(task_id, proc.pid, tuple(grant.get("uuids", [])),
-                                                       int(grant.get("memory_bytes", 0)))  # fmt: skip
-                if proc.pid is not None:  # it started: what holds it is known, however its run ends
-                    isolation = proc.isolation
-                try:
-                    outcome = await proc.run(runnable.task_line(lease), sink, lease.get("timeout_s"))
-                    # a failure the program reported itself leaves it warm; a timeout or a crash does not
-                    reusable = proc.alive and (outcome.error or {}).get("type") not in PROCESS_FAULTS
-                finally:
-                    self._shared.pop(task_id, None)
-                    runnable.pool.release(proc, key, reusable)
+                outcome = await self._run_with_files(runnable, lease, sink)
         except asyncio.CancelledError:
             self.running.pop(task_id, None)
             reason = self._stop_reason.pop(task_id, None)
             if reason is None:
                 self._event_failures.pop((task_id, attempt), None)
+                self._isolation.pop(task_id, None)
                 return  # the controller asked us to stop: it already knows
             outcome = Outcome(False, error=reason)
         except ScrubFailed as exc:
@@ -398,6 +405,7 @@ class Agent:
                 False, error={"type": "worker_error", "message": f"{type(exc).__name__}: {exc}"}
             )
         self.running.pop(task_id, None)
+        isolation = self._isolation.pop(task_id, None)
         completion = {
             "task_id": task_id, "attempt": attempt, "status": "succeeded" if outcome.succeeded else "failed",
             "output": outcome.output, "error": outcome.error, "run_s": outcome.run_s, "started_at": outcome.started_at,
@@ -405,6 +413,46 @@ class Agent:
         }  # fmt: skip
         self._completions.append(checked_completion(completion))
         self._completions_ready.set()
+
+    async def _run_with_files(
+        self, runnable: Runnable, lease: dict[str, Any], sink: Callable[[dict[str, Any]], None]
+    ) -> Outcome:
+        """Fetch the task's input files, run it in a process of its variant's pool, send back its output files."""
+        task_id = lease["id"]
+        try:
+            files = await self.files.prepare(lease)
+        except TaskFileError as exc:
+            return Outcome(False, error=exc.error)
+        try:
+            with_files = {**lease, "files": files.inputs, "output_dir": str(files.output_dir)}
+            key = grant_key(lease.get("gpus"))
+            tenant = str(lease.get("tenant") or "default")
+            await self._hand_over(task_id, lease.get("gpus") or {}, tenant)
+            proc = await self._acquire(runnable, key, task_id, tenant, env=files.env())
+            reusable = False
+            grant = lease.get("gpus") or {}
+            if grant and not grant.get("exclusive") and proc.pid:
+                self._shared[task_id] = SharedTask(task_id, proc.pid, tuple(grant.get("uuids", [])),
+                                                   int(grant.get("memory_bytes", 0)))  # fmt: skip
+            if proc.pid is not None:  # it started: what holds it is known, however its run ends
+                self._isolation[task_id] = proc.isolation
+            try:
+                outcome = await proc.run(runnable.task_line(with_files), sink, lease.get("timeout_s"))
+                # a failure the program reported itself leaves it warm; a timeout or a crash does not
+                reusable = proc.alive and (outcome.error or {}).get("type") not in PROCESS_FAULTS
+            finally:
+                self._shared.pop(task_id, None)
+                runnable.pool.release(proc, key, reusable)
+            if outcome.succeeded:
+                try:
+                    outcome.output = await self.files.collect(files, lease, outcome.output)
+                except TaskFileError as exc:
+                    outcome = Outcome(False, error=exc.error, run_s=outcome.run_s, started_at=outcome.started_at,
+                                      isolation=outcome.isolation)  # fmt: skip
+            return outcome
+        finally:
+            if not self.files.remove_if_empty(files):  # the common case costs two rmdir calls, no thread
+                await asyncio.get_running_loop().run_in_executor(None, self.files.cleanup, files)
 
     def _event_not_carried(self, task_id: str, attempt: int, error: dict[str, Any]) -> None:
         """An event of this attempt is dropped, and its task will fail `invalid_output` (see `with_event_failure`).
@@ -468,13 +516,19 @@ class Agent:
                         await proc.close()
 
     async def _acquire(
-        self, runnable: Runnable, key: tuple[str, ...], task_id: str, tenant: str
+        self,
+        runnable: Runnable,
+        key: tuple[str, ...],
+        task_id: str,
+        tenant: str,
+        *,
+        env: dict[str, str] | None = None,
     ) -> ProtocolProcess:
         """A process for the task; a warm one that served another tenant is closed, never reused."""
-        proc = await runnable.pool.acquire(key, task_id)
+        proc = await runnable.pool.acquire(key, task_id, env=env)
         while self._proc_tenant.get(proc, tenant) != tenant:
             runnable.pool.release(proc, key, reusable=False)
-            proc = await runnable.pool.acquire(key, task_id)
+            proc = await runnable.pool.acquire(key, task_id, env=env)
         self._proc_tenant[proc] = tenant
         return proc
 
@@ -604,4 +658,4 @@ class Agent:
             # one that was up a while is reopened at once (within the controller's reconnect grace); one that
             # cannot be opened, or drops straight away, is retried with backoff
             delay_s = 0.0 if held and clock() - opened_at > 1.0 else min(max(delay_s * 2, 0.1), 2.0)
-            await asyncio.sleep(delay_s)
+            await asyncio.sleep(jittered(delay_s))

@@ -10,6 +10,7 @@ import json
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, Any
 
 from turnout.errors import InvalidInput
@@ -92,7 +93,9 @@ class WorkerApplication:
 
 
 class Context:
-    """What a handler sees of its task. `emit` streams events to whoever follows the task."""
+    """What a handler sees of its task. `emit` streams events to whoever follows the task; `path(ref)` is
+    the local path of an input file (`{"$file": ID}` in its input); files written under `output_dir` come
+    back in its output as references."""
 
     def __init__(
         self,
@@ -103,6 +106,8 @@ class Context:
         gpus: list[str],
         sink: IO[str] | None = None,
         lock: threading.Lock | None = None,
+        files: dict[str, str] | None = None,
+        output_dir: str | None = None,
     ) -> None:
         self.task_id = task_id
         self.attempt = attempt
@@ -110,6 +115,25 @@ class Context:
         self.gpus = gpus
         self._sink = sink
         self._lock = lock or threading.Lock()
+        self._files = files or {}
+        self._output_dir = output_dir
+
+    def path(self, ref: Any) -> Path:
+        """The local path of an input file, by its reference (`{"$file": ID}`, as in the input) or its id."""
+        from turnout.files import ref_id
+
+        file_id = ref_id(ref) or (ref if isinstance(ref, str) else None)
+        if file_id is None or file_id not in self._files:
+            raise InvalidInput(f"ctx.path: {ref!r} is not a file reference in this task's input", field="ref")
+        return Path(self._files[file_id])
+
+    @property
+    def output_dir(self) -> Path:
+        """An empty directory of this attempt's own: what the handler writes here is sent back as files."""
+        if self._output_dir is None:
+            raise InvalidInput("ctx.output_dir: this task was not started by a worker that collects files",
+                               field="output_dir")  # fmt: skip
+        return Path(self._output_dir)
 
     def emit(self, event: str, **fields: Any) -> None:
         """Stream one event. A value strict JSON cannot carry (NaN, a set, a lone surrogate) raises

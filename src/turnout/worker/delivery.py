@@ -2,7 +2,7 @@
 because of what a report holds.
 
 Answers sort in two. One about the controller or the network (5xx, 408, 429, 401/403/404, a dropped
-connection) is retried with backoff, items kept and in order: the same body may be taken later. Any other
+connection) is retried with backoff and jitter, items kept and in order: the same body may be taken later. Any other
 4xx (400, 413, 422, ...) is about the payload, so the batch is split in halves until each refused item
 stands alone; each of those is replaced once by what the caller offers (a completion becomes an
 `invalid_output` failure) or dropped, with an error in the log. The rest of the batch goes through.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -93,7 +94,9 @@ async def _post_until_answered(
                 return _refusal(resp)
             log.warning("sending %d %s: the controller answered %d; retrying in %.1f s", len(chunk), what,
                         resp.status_code, delay)  # fmt: skip
-        await asyncio.sleep(delay)
+        await asyncio.sleep(
+            delay * (0.5 + random.random() / 2)
+        )  # jitter: a fleet cut off together spreads out
         delay = min(delay * 2, MAX_BACKOFF_S)
 
 

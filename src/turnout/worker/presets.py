@@ -36,6 +36,7 @@ from typing import Any
 import yaml
 
 from turnout.errors import InvalidInput
+from turnout.files import with_paths
 from turnout.models import Device, Variant, check_capability_name
 from turnout.resources import parse_resources
 from turnout.worker import docker
@@ -239,8 +240,10 @@ def _runnable(preset: Preset, base_env: dict[str, str], models_dir: Path, docker
 
 
 def raw_input_line(lease: dict[str, Any]) -> str:
-    """A command worker reads the task's input itself, not turnout's envelope."""
-    return json.dumps(lease.get("input"))
+    """A command worker reads the task's input itself, not turnout's envelope; each file reference in it
+    carries the file's local path (`{"$file": ID, "path": ...}`)."""
+    files = lease.get("files")
+    return json.dumps(with_paths(lease.get("input"), files) if files else lease.get("input"))
 
 
 def child_env(preset: Preset, key: tuple[str, ...], task_id: str | None, models_dir: Path) -> dict[str, str]:

@@ -323,7 +323,12 @@ class ProcessPool:
         self.idle: dict[tuple[str, ...], list[ProtocolProcess]] = {}
         self.busy: set[ProtocolProcess] = set()
 
-    async def acquire(self, key: tuple[str, ...], task_id: str | None = None) -> ProtocolProcess:
+    async def acquire(
+        self, key: tuple[str, ...], task_id: str | None = None, env: dict[str, str] | None = None
+    ) -> ProtocolProcess:
+        """A warm process for `key` (one started now if none is idle). `env` is for processes started per
+        task (`OneOffPool`); a warm process was started before the task, so it gets the task's files from
+        its input line instead."""
         stack = self.idle.get(key, [])
         while stack:
             proc = stack.pop()
@@ -382,8 +387,12 @@ class OneOffPool(ProcessPool):
         super().__init__(lambda key: factory(key, None))
         self.one_off_factory = factory
 
-    async def acquire(self, key: tuple[str, ...], task_id: str | None = None) -> ProtocolProcess:
+    async def acquire(
+        self, key: tuple[str, ...], task_id: str | None = None, env: dict[str, str] | None = None
+    ) -> ProtocolProcess:
         proc = self.one_off_factory(key, task_id)
+        if env:
+            proc.env = {**proc.env, **env}
         self.busy.add(proc)
         try:
             await proc.start()

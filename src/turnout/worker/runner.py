@@ -118,7 +118,8 @@ def main(argv: list[str]) -> int:
             continue
         task = json.loads(line)
         ctx = Context(task_id=task.get("task_id", ""), attempt=task.get("attempt", 1), device=torch_device,
-                      gpus=task.get("gpus", []), sink=proto, lock=lock)  # fmt: skip
+                      gpus=task.get("gpus", []), sink=proto, lock=lock, files=task.get("files"),
+                      output_dir=task.get("output_dir"))  # fmt: skip
         started = time.time()
         try:
             result = hv.handler(ctx, task.get("input"))

@@ -59,6 +59,7 @@ class SandboxPlan:
     ro_binds: tuple[str, ...] = ()
     symlinks: tuple[tuple[str, str], ...] = ()  # (target, link path): /bin -> usr/bin on merged-/usr hosts
     masks: tuple[str, ...] = ()
+    rw_binds: tuple[str, ...] = ()  # bound writable at the same path: the task's output directory (files)
     network: bool = False
     drop_caps: bool = True  # as root; an unprivileged bwrap has none to drop and refuses the flag
 
@@ -80,6 +81,8 @@ def bwrap_argv(plan: SandboxPlan) -> list[str]:
         argv += ["--ro-bind", "/dev/null", path]
     # after every bind, so no bind (a program's directory) can bring other tasks' directories back
     argv += ["--tmpfs", plan.workroot, "--bind", plan.workdir, plan.workdir]
+    for path in plan.rw_binds:
+        argv += ["--bind", path, path]
     for node, inside in plan.devices:
         argv += ["--dev-bind", node, inside]
     argv += ["--chdir", plan.workdir, "--", *plan.command]

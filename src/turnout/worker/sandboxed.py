@@ -15,6 +15,7 @@ containment's record with the sandbox's keys over it (`pid_namespace` is then bu
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import stat
@@ -83,6 +84,19 @@ def sandbox_host(options: SandboxOptions, bwrap: Bwrap) -> SandboxHost | str:
     return SandboxHost(bwrap, options, cgroup_parent(), binds, links)
 
 
+def task_file_binds(env: Mapping[str, str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(input files to bind read-only, the output directory to bind writable) of a task started with its files
+    (TURNOUT_INPUT_FILES, TURNOUT_OUTPUT_DIR, worker/files.py): the sandbox shows it these and nothing else of
+    the worker's scratch. A session process is started before its tasks: it gets none."""
+    try:
+        inputs = json.loads(env.get("TURNOUT_INPUT_FILES") or "{}")
+    except ValueError:
+        inputs = {}
+    paths = tuple(sorted({str(p) for p in inputs.values() if isinstance(p, str) and os.path.isabs(p)}))
+    out = env.get("TURNOUT_OUTPUT_DIR")
+    return existing(paths), existing([out] if out and os.path.isabs(out) else [])
+
+
 def sweep(workroot: Path) -> None:
     """Remove working directories left by workers that died (named `<worker pid>-...`)."""
     for entry in workroot.iterdir():
@@ -116,12 +130,14 @@ class SandboxedProcess(ProtocolProcess):
             minors = [opts.gpu_minors[i] for i in self.gpu_indices if i in opts.gpu_minors]
             devices = device_binds(opts.dev_dir, minors)
             links = self.host.symlinks
-            ro = [p for p in (*needed, *existing(self.read_only))
+            inputs, outputs = task_file_binds(self.env)
+            ro = [p for p in (*needed, *existing(self.read_only), *inputs)
                   if not any(p == link or p.startswith(link + "/") for _, link in links)]  # fmt: skip
             plan = SandboxPlan(
                 bwrap=self.host.bwrap.path, command=command, workdir=str(self.workdir),
                 workroot=str(opts.workroot), devices=devices, ro_binds=_outermost_first(self.host.ro_binds, ro),
-                symlinks=links, masks=existing(MASKED_FILES), network=self.network, drop_caps=os.geteuid() == 0,
+                symlinks=links, masks=existing(MASKED_FILES), rw_binds=outputs, network=self.network,
+                drop_caps=os.geteuid() == 0,
             )  # fmt: skip
             self.argv = guarded_argv([sys.executable, "-m", "turnout.worker.limits", self.cgroup.spec(), "--",
                                       *bwrap_argv(plan)])  # fmt: skip
@@ -129,7 +145,8 @@ class SandboxedProcess(ProtocolProcess):
             self.isolation = {
                 "mode": Isolation.SANDBOX.value, "sandbox": self.host.bwrap.version,
                 "devices": [inside for _, inside in devices], "gpu_minors": minors,
-                "network": self.network, "pid_namespace": True, "writable": [str(self.workdir), "/tmp (private)"],
+                "network": self.network, "pid_namespace": True,
+                "writable": [str(self.workdir), *outputs, "/tmp (private)"],
                 "limits": self.cgroup.record(),
             }  # fmt: skip
             await super().start()
