@@ -5,15 +5,22 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from turnout.errors import InvalidInput
 from turnout.resources import parse_bytes
 
+if TYPE_CHECKING:
+    from turnout.escalation import EscalationSettings
+    from turnout.pipelines import Pipeline
+
 DEFAULT_PORT = 8750
 MiB = 1024**2
+# The top-level keys of turnout.yaml. `limits` (per tenant) is parsed where tenants are; known here so the file
+# is validated as one: a misspelt key is an error naming it and the file, before anything starts.
+CONFIG_KEYS = ("prices", "pipelines", "escalation", "request_limits", "limits")
 
 
 @dataclass(frozen=True)
@@ -113,6 +120,8 @@ class ControllerSettings:
     prices: Prices = field(default_factory=Prices)
     request_limits: RequestLimits = field(default_factory=RequestLimits)
     raw_config: dict[str, Any] = field(default_factory=dict)
+    pipelines: Mapping[str, Pipeline] = field(default_factory=dict)
+    escalation: EscalationSettings | None = None
 
 
 def load_config_file(path: Path | None) -> dict[str, Any]:
@@ -155,11 +164,30 @@ def parse_prices(raw: Any, source: str = "prices") -> Prices:
 
 
 def controller_settings(
-    config_path: Path | None = None, *, limit_flags: Mapping[str, str] | None = None, **overrides: Any
+    config_path: Path | None = None,
+    *,
+    limit_flags: Mapping[str, str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    **overrides: Any,
 ) -> ControllerSettings:
-    """Settings from the config file, then flags: `limit_flags` (from `--request-limit`) win over the file's."""
+    """Settings from the config file, then flags: `limit_flags` (from `--request-limit`) win over the file's.
+
+    The whole file is validated before anything starts; every error names the key and the file. `environ`
+    holds the variables an escalation endpoint's `api_key_env` names (read here, at the edge, once).
+    """
+    from turnout.escalation import parse_escalation
+    from turnout.pipelines import parse_pipelines
+
     raw = load_config_file(config_path)
-    prices = parse_prices(raw.get("prices"), f"{config_path}: prices" if config_path else "prices")
+    where = f"{config_path}: " if config_path else ""
+    unknown = sorted(str(k) for k in raw if k not in CONFIG_KEYS)
+    if unknown:
+        raise InvalidInput(
+            f"{where}{unknown[0]}: unknown key (known: {', '.join(CONFIG_KEYS)})", field=unknown[0]
+        )
+    prices = parse_prices(raw.get("prices"), f"{where}prices")
+    pipelines = parse_pipelines(raw.get("pipelines"), f"{where}pipelines")
+    escalation = parse_escalation(raw.get("escalation"), f"{where}escalation", environ=environ)
     file_limits = raw.get("request_limits")
     source = f"{config_path}: request_limits" if config_path else "request_limits"
     limits = parse_request_limits(file_limits, source)
@@ -167,6 +195,8 @@ def controller_settings(
         limits = replace(
             limits, **_fields_of(parse_request_limits(dict(limit_flags), "--request-limit"), limit_flags)
         )
+    overrides.setdefault("pipelines", pipelines)
+    overrides.setdefault("escalation", escalation)
     return ControllerSettings(prices=prices, request_limits=limits, raw_config=raw, **overrides)
 
 

@@ -81,6 +81,9 @@ class Controller:
         # an outage), workers get their full allowance to reach it again before their work is re-queued.
         self.started_at = clock()
         self.lease_expiries = 0  # tasks this controller took back from workers that died (a /metrics counter)
+        from turnout.runs import PipelineRuns
+
+        self.runs = PipelineRuns(self)  # pipeline runs: advanced in the same call that ends a stage
 
     # ---- tasks -------------------------------------------------------------------------------
 
@@ -159,6 +162,8 @@ class Controller:
         if changed:
             self.audit("cancel", task.tenant, {"task": task_id, "worker": task.worker_id})
             self._audit_release(task, now)
+            if task.pipeline_run_id:
+                self.runs.advance(changed)
         return self.get_task(tenant, task_id)
 
     # ---- workers -----------------------------------------------------------------------------
@@ -453,8 +458,10 @@ class Controller:
                 continue
             started = c.started_at or t.started_at or t.leased_at
             run_s = c.run_s if c.run_s is not None else (now - started if started else None)
+            billed = None if run_s is None else run_s + (c.cold_start_s or 0.0)
             values: dict[str, Any] = {"finished_at": now, "run_s": run_s, "started_at": started,
-                                      "cost_usd": self._cost(t, run_s), "isolation": c.isolation}  # fmt: skip
+                                      "cost_usd": self._cost(t, billed), "isolation": c.isolation,
+                                      "cold_start_s": c.cold_start_s, "usage": c.usage}  # fmt: skip
             if c.succeeded:
                 values.update(state=TaskState.SUCCEEDED, output=c.output, error=None)
             else:
@@ -466,12 +473,30 @@ class Controller:
             updates.append((t.id, ACTIVE, c.attempt, values))
             finished.append(t)
         accepted = self.store.update_tasks(updates)
+        ended = [t for t in finished if t.id in set(accepted)]
         accepted += self._requeue(requeue, now)
         done = set(accepted)
-        for t in finished:
-            if t.id in done:
-                self._audit_release(t, now)
+        for t in ended:
+            self._audit_release(t, now)
+        self._learn(ended, {c.task_id: c for c in completions}, now)
+        if any(t.pipeline_run_id for t in ended):
+            self.runs.advance([t.id for t in ended if t.pipeline_run_id])  # the next stage, in this commit
         return accepted, [c.task_id for c in completions if c.task_id not in done]
+
+    def _learn(self, ended: Sequence[Task], by_id: Mapping[str, Completion], now: float) -> None:
+        """Fold each success into its (capability, device class, GPU model) profile, for `gpu: auto`."""
+        for t in ended:
+            c = by_id[t.id]
+            if not c.succeeded or c.run_s is None or t.device is None or t.worker_id is None:
+                continue
+            if t.worker_id.startswith("cloud:"):
+                continue  # a cloud endpoint's time says nothing about local devices
+            usage = c.usage or {}
+            self.runs.store.record_profile(
+                t.spec.capability, t.device.value, t.gpu_model, run_s=c.run_s, cold_start_s=c.cold_start_s,
+                peak_gpu_memory_bytes=usage.get("peak_gpu_memory_bytes"), peak_rss_bytes=usage.get("peak_rss_bytes"),
+                now=now,
+            )  # fmt: skip
 
     def _cost(self, task: Task, run_s: float | None) -> float | None:
         if run_s is None or task.device is None:
@@ -544,6 +569,8 @@ class Controller:
         lost: list[Task] = []
         overdue: list[Change] = []
         for t in self.store.active_tasks():
+            if (t.worker_id or "").startswith("cloud:"):
+                continue  # held by an escalation endpoint: escalation.py watches it
             holder = by_id.get(t.worker_id or "")
             if holder is None or holder.state in (WorkerState.UNHEALTHY, WorkerState.GONE):
                 lost.append(t)
@@ -564,6 +591,7 @@ class Controller:
         if overdue:
             changed |= bool(self.store.update_tasks(overdue))
         changed |= self._expire_unplaceable(now, [w for w in workers if w.state is WorkerState.HEALTHY])
+        changed |= self.runs.sweep()  # stages that ended by timeout, lost workers, no capacity
         return changed
 
     def _expire_unplaceable(self, now: float, healthy: Sequence[Worker]) -> bool:

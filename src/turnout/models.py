@@ -144,6 +144,8 @@ class Task:
     finished_at: float | None = None
     run_s: float | None = None
     cost_usd: float | None = None
+    cold_start_s: float | None = None  # process start and setup paid by this task (no warm process was ready)
+    usage: dict[str, Any] | None = None  # what it used: peak_rss_bytes, peak_gpu_memory_bytes, batch_size
     unservable_since: float | None = None
     pipeline_run_id: str | None = None
     alloc: dict[str, Any] | None = None  # CPU, memory and GPU share held while leased or running
@@ -193,3 +195,5 @@ class Completion:
     run_s: float | None = None
     started_at: float | None = None
     isolation: dict[str, Any] | None = None  # e.g. {"pdeathsig": true, "cgroup": "/sys/fs/cgroup/..."}
+    cold_start_s: float | None = None  # process start and setup this attempt waited for
+    usage: dict[str, Any] | None = None  # peak_rss_bytes, peak_gpu_memory_bytes, batch_size

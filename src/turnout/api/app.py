@@ -13,7 +13,7 @@ from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.responses import StreamingResponse
 
 from turnout import __version__
-from turnout.api import dashboard, errors, lifeline
+from turnout.api import dashboard, errors, lifeline, pipelines
 from turnout.api import metrics as prometheus
 from turnout.api.limits import BodyLimit
 from turnout.api.schemas import (
@@ -299,15 +299,19 @@ def create_app(service: Service) -> FastAPI:
                 r.run_s,
                 r.started_at,
                 r.isolation,
+                r.cold_start_s,
+                r.usage.model_dump(exclude_none=True) if r.usage else None,
             )
             for r in body.results
         ]
-        accepted, refused = await service.call(ctrl.complete, worker_id, completions)
+        accepted, refused, stages = await service.call(
+            lambda: (*ctrl.complete(worker_id, completions), ctrl.runs.take_queued())
+        )
         if accepted:
             service.worker_signal(worker_id).notify()  # its capacity is free again; other workers' is not
             service.tasks_changed.notify()
-            if any(not c.succeeded for c in completions):
-                service.queue_changed.notify()  # a retryable failure went back to the queue, for anyone
+            if stages or any(not c.succeeded for c in completions):
+                service.queue_changed.notify()  # a retry or a pipeline's next stage is queued, for anyone
         return {"accepted": accepted, "refused": refused}
 
     @app.post("/v1/workers/{worker_id}/events", openapi_extra=EVENTS_BODY)
@@ -351,6 +355,7 @@ def create_app(service: Service) -> FastAPI:
     app.include_router(prometheus.router(service, metrics))
     app.include_router(lifeline.router(service, need("worker")))
     dashboard.install(app, service, need, scope)
+    pipelines.install(app, service, need, scope)  # pipeline runs (api/pipelines.py)
 
     return app
 

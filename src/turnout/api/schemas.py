@@ -225,6 +225,16 @@ class ResultIn(Strict):
     started_at: float | None = Field(None, ge=0, le=MAX_EPOCH_S)  # a time every reader can format
     # what held the process that ran it: {"process_group", "pdeathsig", "pid_namespace", "cgroup"} (containment.py)
     isolation: dict[str, Any] | None = Field(None, max_length=32)
+    cold_start_s: float | None = Field(None, ge=0, le=MAX_RUN_S)  # process start and setup it waited for
+    usage: UsageIn | None = None
+
+
+class UsageIn(Strict):
+    """What a task used, measured by its worker: for profiles (`gpu: auto`, learned gpu_memory) and cost shares."""
+
+    peak_rss_bytes: int | None = Field(None, ge=0, le=MAX_INT)
+    peak_gpu_memory_bytes: int | None = Field(None, ge=0, le=MAX_INT)
+    batch_size: int | None = Field(None, ge=1, le=100_000)
 
 
 class CompleteIn(Strict):
@@ -282,14 +292,24 @@ def task_out(t: Task) -> dict[str, Any]:
     return {
         "id": t.id, "tenant": t.tenant, "capability": t.spec.capability, "state": t.state.value,
         "input": t.spec.input, "output": t.output, "error": t.error,
-        "device": t.device.value if t.device else None, "gpu_model": t.gpu_model, "worker": t.worker_id,
+        "device": device_of(t), "gpu_model": t.gpu_model, "worker": t.worker_id,
         "gpus": gpus, "attempts": t.attempts, "routing": _public_routing(t.routing), "isolation": t.isolation, "gpu": t.spec.gpu.value,
         "priority": t.spec.priority, "labels": t.spec.labels, "timeout_s": t.spec.timeout_s,
         "max_retries": t.spec.max_retries, "idempotency_key": t.spec.idempotency_key,
         "queue_s": round(queue_s, 6) if queue_s is not None else None,
         "run_s": round(t.run_s, 6) if t.run_s is not None else None, "cost_usd": t.cost_usd,
+        "cold_start_s": round(t.cold_start_s, 6) if t.cold_start_s is not None else None,
+        "batch_size": (t.usage or {}).get("batch_size"), "pipeline_run_id": t.pipeline_run_id,
         "created_at": iso(t.created_at), "started_at": iso(started), "finished_at": iso(finished),
     }  # fmt: skip
+
+
+def device_of(t: Task) -> str | None:
+    """`cpu`, `gpu`, or `cloud:NAME` for a task an escalation endpoint ran."""
+    cloud = (t.routing or {}).get("cloud")
+    if cloud:
+        return f"cloud:{cloud}"
+    return t.device.value if t.device else None
 
 
 def _public_routing(routing: dict[str, Any] | None) -> dict[str, Any] | None:

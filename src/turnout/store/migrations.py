@@ -48,11 +48,24 @@ def _task_isolation(conn: sa.Connection) -> None:
     conn.execute(sa.text(f"ALTER TABLE tasks ADD COLUMN isolation {kind}"))
 
 
+def _pipelines_costs_profiles(conn: sa.Connection) -> None:
+    have = {c["name"] for c in sa.inspect(conn).get_columns("tasks")}
+    for col in ("cold_start_s", "usage"):
+        if col not in have:  # a database made by `_initial` from today's schema has them already
+            kind = schema.tasks.c[col].type.compile(dialect=conn.dialect)
+            conn.execute(sa.text(f"ALTER TABLE tasks ADD COLUMN {col} {kind}"))
+    schema.pipeline_runs.create(conn, checkfirst=True)
+    schema.profiles.create(conn, checkfirst=True)
+    schema.pipeline_run_index.create(conn, checkfirst=True)
+
+
 MIGRATIONS: list[Migration] = [
     (1, "initial tables", _initial),
     (2, "lease-order index; JSON null as SQL NULL", _queue_order_and_nulls),
     (3, "tasks.isolation: what held a task's processes", _task_isolation),
     (4, "capabilities ever registered, from the workers so far", _known_capabilities),
+    # numbered apart from other branches' next entries (5, 6, ...), so both merge without renumbering
+    (101, "pipeline runs, tasks.cold_start_s and usage, profiles", _pipelines_costs_profiles),
 ]
 
 

@@ -594,7 +594,7 @@ def _task_row(t: Task) -> dict[str, Any]:
         "queued_at": t.queued_at, "leased_at": t.leased_at, "started_at": t.started_at,
         "finished_at": t.finished_at, "run_s": t.run_s, "cost_usd": t.cost_usd,
         "unservable_since": t.unservable_since, "pipeline_run_id": t.pipeline_run_id, "alloc": t.alloc,
-        "isolation": t.isolation,
+        "isolation": t.isolation, "cold_start_s": t.cold_start_s, "usage": t.usage,
     }  # fmt: skip
 
 
@@ -612,7 +612,7 @@ def _task(r: Any) -> Task:
         device=Device(r.device) if r.device else None, gpus=r.gpus, gpu_model=r.gpu_model, routing=r.routing,
         queued_at=r.queued_at, leased_at=r.leased_at, started_at=r.started_at, finished_at=r.finished_at,
         run_s=r.run_s, cost_usd=r.cost_usd, unservable_since=r.unservable_since, pipeline_run_id=r.pipeline_run_id,
-        alloc=r.alloc, isolation=r.isolation,
+        alloc=r.alloc, isolation=r.isolation, cold_start_s=r.cold_start_s, usage=r.usage,
     )  # fmt: skip
 
 
