@@ -113,6 +113,10 @@ def test_each_stage_gets_the_run_input_updated_with_the_outputs_before_it(config
     assert run["gpu_only_cost_usd"] > run["cost_usd"]  # the CPU stages cost less than on the GPU
     listed = configured.api("GET", "/v1/pipeline-runs").json()["pipeline_runs"]
     assert [r["id"] for r in listed] == [run["id"]]
+    metrics = configured.api("GET", "/metrics").text
+    line = next(x for x in metrics.splitlines() if x.startswith('turnout_tenant_cost_usd_total{capability="count"'))
+    assert 'tenant="default"' in line and float(line.split()[-1]) == pytest.approx(count["cost_usd"], abs=1e-9)
+    assert 'turnout_pipeline_runs{pipeline="words",state="succeeded"} 1.0' in metrics
 
 
 def test_a_failing_stage_fails_the_run_naming_the_stage_and_no_later_stage_starts(

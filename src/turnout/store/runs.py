@@ -73,6 +73,23 @@ class RunStore:
                 return False
             return bool(conn.execute(query.values(**values)).rowcount)
 
+    def cost_by_tenant(self) -> list[tuple[str, str, float]]:
+        """(capability, tenant, summed cost_usd) over every priced task: one grouped scan."""
+        T = schema.tasks
+        query = (
+            sa.select(T.c.capability, T.c.tenant, sa.func.sum(T.c.cost_usd))
+            .where(T.c.cost_usd.is_not(None))
+            .group_by(T.c.capability, T.c.tenant)
+        )
+        with self.store._read() as conn:
+            return [(c, t, float(v or 0.0)) for c, t, v in conn.execute(query)]
+
+    def run_counts(self) -> list[tuple[str, str, int]]:
+        """(pipeline, state, runs)."""
+        query = sa.select(R.c.pipeline, R.c.state, sa.func.count()).group_by(R.c.pipeline, R.c.state)
+        with self.store._read() as conn:
+            return [(p, s, int(n)) for p, s, n in conn.execute(query)]
+
     # ---- profiles ----------------------------------------------------------------------------
 
     def record_profile(self, capability: str, device: str, gpu_model: str | None, *, run_s: float,
