@@ -16,7 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from turnout import placement
+from turnout import placement, profiles
+from turnout.batching import BatchBook
 from turnout.config import ControllerSettings
 from turnout.errors import Conflict, IdempotencyConflict, InvalidInput, NotFound
 from turnout.gpu.allocation import (
@@ -28,6 +29,7 @@ from turnout.models import (
     ACTIVE_STATES,
     Completion,
     Device,
+    GpuMode,
     Lease,
     Task,
     TaskSpec,
@@ -66,6 +68,31 @@ def new_id(prefix: str) -> str:
 class LeaseResult:
     leases: list[Lease] = field(default_factory=list)
     cancel: list[str] = field(default_factory=list)  # task ids the worker must stop
+    retry_in_s: float | None = None  # a batch is filling: ask again by then, even if nothing else changes
+
+
+@dataclass(frozen=True)
+class AutoRoute:
+    """`auto`'s verdict for one task on the asking worker: a route, or device None (another class is sooner)."""
+
+    device: Device | None
+    reason: str = ""
+
+
+def _auto_route(
+    fleet: profiles.Fleet, capability: str, offer: WorkerOffer, cluster: ClusterView
+) -> Route | AutoRoute | None:
+    """`auto` with history: the device class with the earliest expected finish, if this worker can run it now.
+    None (no history for both classes, or the chosen class has no live worker): route as `prefer` does."""
+    choice = profiles.choose(fleet.side(capability, Device.CPU), fleet.side(capability, Device.GPU))
+    if choice is None:
+        return None
+    if (choice.device is Device.GPU and not cluster.gpu_possible) or (
+        choice.device is Device.CPU and not cluster.cpu_possible
+    ):
+        return None
+    fits = offer.gpu_fits if choice.device is Device.GPU else offer.cpu_fits
+    return Route(choice.device, choice.reason) if fits else AutoRoute(None, choice.reason)
 
 
 class Controller:
@@ -320,13 +347,42 @@ class Controller:
         updates = []
         cluster_cache: dict[tuple[str, str, str], ClusterView] = {}
         fleet_view: placement.Fleet | None = None  # built on the first GPU candidate only
+        book = BatchBook()  # batched variants: tasks that ride on their leader's grant (batching.py)
+        auto_fleet: profiles.Fleet | None = None  # built on the first `auto` task only
         # look a little past what fits (not the whole window) unless the head of the queue is not for us
         slots = min(max_tasks, int((room.cpu + 1e-9) / smallest) if smallest > 0 else max_tasks)
         window = min(self.settings.lease_window, max(16, 4 * slots))
         for task in self.store.queued_tasks(caps, limit=window, widen_to=self.settings.lease_window):
-            if len(leases) >= max_tasks or room.cpu + 1e-9 < smallest:
+            if len(leases) >= max_tasks or (room.cpu + 1e-9 < smallest and not book.has_room()):
                 break
             offered = worker.offers(task.spec.capability)
+            waited = now - (task.queued_at or task.created_at)
+            key = placement.view_key(task)
+            if key not in cluster_cache:
+                cluster_cache[key] = placement.cluster_view(workers, task)
+            riding = book.joinable(task)
+            if riding is not None:
+                # the batch's grant is taken: the task fits exactly where its leader went, if it may go there
+                ride = WorkerOffer(cpu_variant=Device.CPU in offered, gpu_variant=Device.GPU in offered,
+                                   cpu_fits=riding.device is Device.CPU, gpu_fits=riding.device is Device.GPU)  # fmt: skip
+                routed = route(task.spec.gpu, waited, task.spec.gpu_wait_s, ride, cluster_cache[key])
+                if routed is not None and routed.device is riding.device:
+                    routing = {"requested": task.spec.gpu.value, "device": routed.device.value,
+                               "reason": f"{routed.reason}; batched with {riding.leader.id}"}  # fmt: skip
+                    values = {"state": TaskState.LEASED, "worker_id": worker_id, "device": routed.device,
+                              "gpus": riding.grant, "gpu_model": (riding.grant or {}).get("model"), "routing": routing,
+                              "leased_at": now, "attempts": task.attempts + 1, "unservable_since": None,
+                              "alloc": book.rider_alloc(riding)}  # fmt: skip
+                    updates.append((task.id, (TaskState.QUEUED,), task.attempts, values))
+                    leased = replace(task, state=TaskState.LEASED, worker_id=worker_id, device=routed.device,
+                                     gpus=riding.grant, routing=routing, attempts=task.attempts + 1, leased_at=now)  # fmt: skip
+                    leases.append(
+                        Lease(leased, routed.device, riding.variant.resources, riding.grant, riding.leader.id)
+                    )
+                    riding.members.append(task.id)
+                    continue
+            if room.cpu + 1e-9 < smallest:
+                continue
             cpu_res = placement.needs(offered.get(Device.CPU), task)
             gpu_res = placement.needs(offered.get(Device.GPU), task)
             grant = placement.try_gpu(room, gpu_res, task) if gpu_res else None
@@ -334,13 +390,19 @@ class Controller:
                 cpu_variant=cpu_res is not None, gpu_variant=gpu_res is not None,
                 cpu_fits=cpu_res is not None and placement.fits(room, cpu_res), gpu_fits=grant is not None,
             )  # fmt: skip
-            key = placement.view_key(task)
-            if key not in cluster_cache:
-                cluster_cache[key] = placement.cluster_view(workers, task)
-            decision = route(task.spec.gpu, now - (task.queued_at or task.created_at), task.spec.gpu_wait_s,
-                             offer, cluster_cache[key])  # fmt: skip
+            decision: Route | None = None
+            if task.spec.gpu is GpuMode.AUTO:  # earliest expected finish, once profiles exist (profiles.py)
+                auto_fleet = auto_fleet or self._auto_fleet(workers)
+                verdict = _auto_route(auto_fleet, task.spec.capability, offer, cluster_cache[key])
+                if isinstance(verdict, AutoRoute):
+                    continue  # the other device class finishes it sooner: left for a worker that has it free
+                decision = verdict
+            if decision is None:
+                decision = route(task.spec.gpu, waited, task.spec.gpu_wait_s, offer, cluster_cache[key])
             if decision is None:
                 continue
+            if profiles.leave_for_warm(worker, workers, task.spec.capability, decision.device, waited):
+                continue  # a worker with the model loaded can take it: leave it there a moment
             if decision.device is Device.GPU and gpu_res is not None:
                 fleet_view = fleet_view or self._fleet_view(workers)
                 fleet_view.update(worker_id, room)
@@ -367,6 +429,11 @@ class Controller:
                     "unit_memory_bytes": min(u.memory_bytes for u in room.units if u.uuid in grant.uuids),
                 }
                 alloc["gpu_share"] = gpu_units_of(grant, room.units)
+            batch = book.start(
+                task, decision.device, offered.get(decision.device), grant_dict, alloc.get("gpu_share")
+            )
+            if batch is not None:
+                alloc["batch"] = task.id
             kept = {k: v for k, v in (task.routing or {}).items() if k in KEPT_ROUTING}
             routing = {
                 **kept,
@@ -383,12 +450,34 @@ class Controller:
             updates.append((task.id, (TaskState.QUEUED,), task.attempts, values))
             leased = replace(task, state=TaskState.LEASED, worker_id=worker_id, device=decision.device,
                              gpus=grant_dict, routing=routing, attempts=task.attempts + 1, leased_at=now)  # fmt: skip
-            leases.append(Lease(leased, decision.device, res, grant_dict))
+            leases.append(Lease(leased, decision.device, res, grant_dict, task.id if batch else None))
+        retry_in_s = None
+        filling = book.waiting(now)  # batches still filling: leased once full or their wait is over
+        if filling:
+            skip = {tid for b in filling for tid in b.members}
+            updates = [u for u in updates if u[0] not in skip]
+            leases = [lease for lease in leases if lease.task.id not in skip]
+            retry_in_s = min(b.wait_left_s(now) for b in filling)
         if updates:
             won = set(self.store.update_tasks(updates))
             leases = [lease for lease in leases if lease.task.id in won]
-            self._audit_allocations(worker_id, [lease for lease in leases if lease.grant], now)
-        return LeaseResult(leases, cancel)
+            self._audit_allocations(
+                worker_id,
+                [lease for lease in leases if lease.grant and lease.batch in (None, lease.task.id)],
+                now,
+            )
+        return LeaseResult(leases, cancel, retry_in_s)
+
+    def _auto_fleet(self, workers: Sequence[Worker]) -> profiles.Fleet:
+        """What `gpu: auto` weighs, read once per lease request: profiles, and the work queued and running."""
+        stats = self.store.task_stats((TaskState.QUEUED, *ACTIVE))
+        active = tuple(
+            (r["capability"], r["device"], r["count"])
+            for r in stats
+            if r["state"] != "queued" and r["device"]
+        )
+        queued = tuple((r["capability"], r["gpu_mode"], r["count"]) for r in stats if r["state"] == "queued")
+        return profiles.Fleet(tuple(self.runs.store.profiles()), tuple(workers), active, queued)
 
     def _requeue_undelivered(self, tasks: Sequence[Task], now: float) -> list[str]:
         """Put back leases whose answer never reached their worker; returns the ids that changed.
@@ -652,7 +741,7 @@ class Controller:
         )  # fmt: skip
 
     def _audit_release(self, task: Task, now: float) -> None:
-        if task.gpus:
+        if task.gpus and (task.alloc or {}).get("batch") in (None, task.id):  # a batch's riders hold none
             self.audit("gpu_released", task.tenant, {"task": task.id, "worker": task.worker_id,
                                                       "gpus": list(task.gpus.get("uuids", [])),
                                                       "memory_bytes": task.gpus.get("memory_bytes"),

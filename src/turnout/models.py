@@ -94,13 +94,18 @@ class Variant:
     capability: str
     device: Device
     resources: Resources
+    max_batch_size: int = 1  # > 1: the controller leases up to this many of its tasks together, on one grant
+    max_batch_wait_ms: float = 0.0  # how long a batch may wait to fill before it is leased part full
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "capability": self.capability,
             "device": self.device.value,
             "resources": self.resources.to_dict(),
         }
+        if self.max_batch_size > 1:
+            out.update(max_batch_size=self.max_batch_size, max_batch_wait_ms=self.max_batch_wait_ms)
+        return out
 
 
 @dataclass(frozen=True)
@@ -181,6 +186,7 @@ class Lease:
     device: Device
     resources: Resources
     grant: dict[str, Any] | None
+    batch: str | None = None  # the leader's task id, for every task leased in a batch (batching.py)
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ def devices_from_dicts(gpus: Iterable[dict[str, Any]]) -> list[GpuDevice]:
 def room_of(worker: Worker, active: Sequence[Task]) -> Room:
     """What a worker has free: its capacity less what its leased and running tasks hold."""
     units = units_of(devices_from_dicts(worker.gpus), frozenset(worker.quarantined))
-    grants = [(GpuGrant.from_dict(t.gpus), workload(t)) for t in active if t.gpus]
+    grants = [(GpuGrant.from_dict(t.gpus), workload(t)) for t in active if t.gpus and holds_grant(t)]
     cpu = worker.cpu - sum(float((t.alloc or {}).get("cpu", 0)) for t in active)
     memory = worker.memory_bytes - sum(int((t.alloc or {}).get("memory", 0)) for t in active)
     return Room(cpu, memory, units, usage_from_grants(grants), strategy_of(worker.strategy))
@@ -98,6 +98,8 @@ class Fleet:
         self.running: list[GpuRequest] = []
         for w in gpu_workers:
             for t in active.get(w.id, []):
+                if not holds_grant(t):
+                    continue
                 res = (
                     needs(w.offers(t.spec.capability).get(Device.GPU), t) if t.device is Device.GPU else None
                 )
@@ -123,6 +125,11 @@ class Fleet:
                 self.index.upsert(worker_id, room.units, room.usage, Host(room.cpu, room.memory_bytes))
         choice = self.index.choose(request)
         return str(choice[0]) if choice else None
+
+
+def holds_grant(task: Task) -> bool:
+    """Whether the task's GPUs are its own: a batch's riders share their leader's grant (batching.py)."""
+    return (task.alloc or {}).get("batch") in (None, task.id)
 
 
 def needs(variant: Variant | None, task: Task) -> Resources | None:

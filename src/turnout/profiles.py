@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from turnout.models import Device
+from turnout.models import Device, Worker
 
 GPU_MEMORY_HEADROOM = 1.25  # a learned gpu_memory is the observed peak plus a quarter
 
@@ -106,3 +106,56 @@ def _side_text(name: str, side: Side) -> str:
 
 def _s(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.2g} s"
+
+
+DEFAULT_RUN_S = 1.0  # the expected run of a task whose capability has no profile yet, when counting work ahead
+WARM_SETTLE_S = 0.5  # how long a task waits for a worker with a warm process before a cold one takes it
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """What `auto` and warm affinity need to know of the cluster, gathered once per lease request."""
+
+    profiles: tuple[Profile, ...]
+    workers: tuple[Worker, ...]  # healthy ones
+    active: tuple[tuple[str, str, int], ...]  # (capability, device, count) leased or running
+    queued: tuple[tuple[str, str, int], ...]  # (capability, gpu mode, count) queued
+
+    def run_s(self, capability: str, device: str) -> float:
+        found = pick(self.profiles, capability, device)
+        return found.run_s if found else DEFAULT_RUN_S
+
+    def side(self, capability: str, device: Device) -> Side:
+        d = device.value
+        bound = "require" if device is Device.GPU else "never"
+        ahead = sum(n * self.run_s(cap, d) for cap, dev, n in self.active if dev == d)
+        ahead += sum(n * self.run_s(cap, d) for cap, mode, n in self.queued if mode == bound)
+        slots = 0
+        warm = False
+        for w in self.workers:
+            variant = w.offers(capability).get(device)
+            if variant is None:
+                continue
+            if device is Device.GPU:
+                slots += max(1, len(w.gpus))
+            else:
+                slots += max(1, int(w.cpu / variant.resources.cpu) if variant.resources.cpu > 0 else 1)
+            warm = warm or warm_processes(w, capability, device) > 0
+        return Side(pick(self.profiles, capability, d), ahead, max(1, slots), warm)
+
+
+def warm_processes(worker: Worker, capability: str, device: Device) -> int:
+    """Idle warm processes the worker reported (last heartbeat) for a variant."""
+    pools = (worker.metrics or {}).get("pools") or {}
+    entry = pools.get(f"{capability}:{device.value}") if isinstance(pools, dict) else None
+    warm = entry.get("warm") if isinstance(entry, dict) else None
+    return warm if isinstance(warm, int) and not isinstance(warm, bool) else 0
+
+
+def leave_for_warm(here: Worker, others: Sequence[Worker], capability: str, device: Device, waited_s: float) -> bool:
+    """Warm affinity: whether a worker with no warm process for the variant should leave the task a moment for
+    one that has (its model loaded). Bounded by WARM_SETTLE_S, so a stale report never strands a task."""
+    if waited_s >= WARM_SETTLE_S or warm_processes(here, capability, device) > 0:
+        return False
+    return any(w.id != here.id and device in w.offers(capability) and warm_processes(w, capability, device) > 0
+               for w in others)  # fmt: skip

@@ -238,7 +238,8 @@ def create_app(service: Service) -> FastAPI:
             check_capability_name(v.capability, f"variants.{i}.capability")
             variants.append(
                 Variant(
-                    v.capability, Device(v.device), parse_resources(v.resources, f"variants.{i}.resources")
+                    v.capability, Device(v.device), parse_resources(v.resources, f"variants.{i}.resources"),
+                    v.max_batch_size, v.max_batch_wait_ms,
                 )
             )
         worker = await service.call(
@@ -280,12 +281,12 @@ def create_app(service: Service) -> FastAPI:
                         {"id": le.task.id, "attempt": le.task.attempts, "capability": le.task.spec.capability,
                          "device": le.device.value, "input": le.task.spec.input, "resources": le.resources.to_dict(),
                          "gpus": le.grant, "timeout_s": le.task.spec.timeout_s, "labels": le.task.spec.labels,
-                         "tenant": le.task.tenant, "routing": le.task.routing}
+                         "tenant": le.task.tenant, "routing": le.task.routing, "batch": le.batch}
                         for le in result.leases
                     ],
                     "cancel": result.cancel,
                 }  # fmt: skip
-            await Signal.wait_any(signals, min(left, POLL_S))
+            await Signal.wait_any(signals, min(left, POLL_S, result.retry_in_s or POLL_S))
 
     @app.post("/v1/workers/{worker_id}/complete")
     async def complete(worker_id: str, body: CompleteIn, p: Principal = need("worker")) -> dict[str, Any]:

@@ -125,6 +125,8 @@ class VariantIn(Strict):
     capability: str
     device: Literal["cpu", "gpu"]
     resources: dict[str, Any] = Field(default_factory=dict)
+    max_batch_size: int = Field(1, ge=1, le=4096)
+    max_batch_wait_ms: float = Field(0.0, ge=0, le=600_000)
 
 
 class _Facts(BaseModel):
@@ -331,7 +333,7 @@ def worker_out(w: Worker, active: int = 0) -> dict[str, Any]:
         "capabilities": sorted({v.capability for v in w.variants}),
         "variants": [v.to_dict() for v in w.variants],
         "resources": {"cpu": w.cpu, "memory": w.memory_bytes, "gpus": len(w.gpus)},
-        "gpus": gpus, "strategy": w.strategy, "active_tasks": active,
+        "gpus": gpus, "strategy": w.strategy, "active_tasks": active, "pools": metrics.get("pools") or {},
         "registered_at": iso(w.registered_at), "last_heartbeat": iso(w.last_heartbeat), "heartbeat_s": w.heartbeat_s,
     }  # fmt: skip
 

@@ -625,10 +625,13 @@ def _worker_row(w: Worker) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _variant(v: dict[str, Any]) -> Variant:
+    batch = (int(v.get("max_batch_size", 1)), float(v.get("max_batch_wait_ms", 0.0)))
+    return Variant(v["capability"], Device(v["device"]), parse_resources(v["resources"]), *batch)
+
+
 def _worker(r: Any) -> Worker:
-    variants = tuple(
-        Variant(v["capability"], Device(v["device"]), parse_resources(v["resources"])) for v in r.variants
-    )
+    variants = tuple(_variant(v) for v in r.variants)
     return Worker(
         id=r.id, name=r.name, host=r.host, state=WorkerState(r.state), variants=variants, cpu=r.cpu,
         memory_bytes=r.memory_bytes, gpus=tuple(r.gpus), strategy=r.strategy, registered_at=r.registered_at,
