@@ -108,7 +108,9 @@ def _s(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.2g} s"
 
 
-DEFAULT_RUN_S = 1.0  # the expected run of a task whose capability has no profile yet, when counting work ahead
+DEFAULT_RUN_S = (
+    1.0  # the expected run of a task whose capability has no profile yet, when counting work ahead
+)
 WARM_SETTLE_S = 0.5  # how long a task waits for a worker with a warm process before a cold one takes it
 
 
@@ -145,14 +147,16 @@ class Fleet:
 
 
 def warm_processes(worker: Worker, capability: str, device: Device) -> int:
-    """Idle warm processes the worker reported (last heartbeat) for a variant."""
+    """Processes with the variant's model loaded (busy or idle) that the worker reported at its last heartbeat."""
     pools = (worker.metrics or {}).get("pools") or {}
     entry = pools.get(f"{capability}:{device.value}") if isinstance(pools, dict) else None
-    warm = entry.get("warm") if isinstance(entry, dict) else None
+    warm = entry.get("loaded") if isinstance(entry, dict) else None
     return warm if isinstance(warm, int) and not isinstance(warm, bool) else 0
 
 
-def leave_for_warm(here: Worker, others: Sequence[Worker], capability: str, device: Device, waited_s: float) -> bool:
+def leave_for_warm(
+    here: Worker, others: Sequence[Worker], capability: str, device: Device, waited_s: float
+) -> bool:
     """Warm affinity: whether a worker with no warm process for the variant should leave the task a moment for
     one that has (its model loaded). Bounded by WARM_SETTLE_S, so a stale report never strands a task."""
     if waited_s >= WARM_SETTLE_S or warm_processes(here, capability, device) > 0:

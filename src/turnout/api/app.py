@@ -16,6 +16,7 @@ from turnout import __version__
 from turnout.api import dashboard, errors, lifeline, pipelines
 from turnout.api import metrics as prometheus
 from turnout.api.limits import BodyLimit
+from turnout.api.pipelines import profile_view
 from turnout.api.schemas import (
     EVENTS_BODY,
     MAX_INT32,
@@ -208,12 +209,14 @@ def create_app(service: Service) -> FastAPI:
                 var["workers"].append({"id": w.id, "name": w.name, "state": w.state.value})
         for name in depths:
             caps.setdefault(name, {"name": name, "variants": {}})
+        learned = await service.read(ctrl.runs.store.profiles)
         out = []
         for name in sorted(caps):
             entry = caps[name]
             d = depths.get(name, {})
             out.append({"name": name, "variants": list(entry["variants"].values()),
-                        "queue_depth": d.get("queued", 0), "running": d.get("leased", 0) + d.get("running", 0)})  # fmt: skip
+                        "queue_depth": d.get("queued", 0), "running": d.get("leased", 0) + d.get("running", 0),
+                        **profile_view(name, entry["variants"], learned)})  # fmt: skip
         return {"capabilities": out}
 
     @app.get("/v1/workers")
@@ -238,8 +241,11 @@ def create_app(service: Service) -> FastAPI:
             check_capability_name(v.capability, f"variants.{i}.capability")
             variants.append(
                 Variant(
-                    v.capability, Device(v.device), parse_resources(v.resources, f"variants.{i}.resources"),
-                    v.max_batch_size, v.max_batch_wait_ms,
+                    v.capability,
+                    Device(v.device),
+                    parse_resources(v.resources, f"variants.{i}.resources"),
+                    v.max_batch_size,
+                    v.max_batch_wait_ms,
                 )
             )
         worker = await service.call(

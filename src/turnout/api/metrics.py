@@ -156,7 +156,9 @@ def _run_metrics(ctrl: Controller) -> Iterator[Metric]:
                                labels=["capability", "tenant"])  # fmt: skip
     for capability, tenant, usd in ctrl.runs.store.cost_by_tenant():
         cost.add_metric([capability, tenant], usd)
-    runs = GaugeMetricFamily("turnout_pipeline_runs", "Pipeline runs by pipeline and state.", labels=["pipeline", "state"])
+    runs = GaugeMetricFamily(
+        "turnout_pipeline_runs", "Pipeline runs by pipeline and state.", labels=["pipeline", "state"]
+    )
     for pipeline, state, n in ctrl.runs.store.run_counts():
         runs.add_metric([pipeline, state], n)
     yield from (cost, runs)

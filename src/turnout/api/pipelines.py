@@ -23,6 +23,7 @@ from turnout.config import Prices
 from turnout.errors import InvalidInput
 from turnout.models import GpuMode, Task
 from turnout.pipelines import PipelineRun, RunState, run_costs
+from turnout.profiles import Profile, learned_gpu_memory
 
 
 class RunIn(Strict):
@@ -138,3 +139,15 @@ def run_out(run: PipelineRun, tasks: Sequence[Task | None], prices: Prices) -> d
 
 def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 6)
+
+
+def profile_view(
+    capability: str, variants: dict[str, dict[str, Any]], learned: Sequence[Profile]
+) -> dict[str, Any]:
+    """A capability's profiles (what `auto` routes on), and for a GPU variant that declares no gpu_memory, the
+    one learned from its observed peak with headroom (`gpu_memory_learned`, bytes)."""
+    mine = [p for p in learned if p.capability == capability]
+    gpu = variants.get("gpu")
+    if gpu is not None and not gpu["resources"].get("gpu_memory"):
+        gpu["gpu_memory_learned"] = learned_gpu_memory(mine)
+    return {"profiles": [p.to_dict() for p in mine]}

@@ -133,7 +133,9 @@ def _per_task(outcome: Outcome, n: int, batched: bool) -> list[Outcome]:
     outputs = outcome.output
     if not isinstance(outputs, list) or len(outputs) != n:
         got = f"{len(outputs)} outputs" if isinstance(outputs, list) else type(outputs).__name__
-        error = invalid_output("output", f"a batched handler must return a list of {n} outputs, one per input; got {got}")
+        error = invalid_output(
+            "output", f"a batched handler must return a list of {n} outputs, one per input; got {got}"
+        )
         return [Outcome(False, error=error)] * n
     return [Outcome(True, output=o) for o in outputs]
 
@@ -302,10 +304,10 @@ class Agent:
         }
 
     def pools(self) -> dict[str, dict[str, int]]:
-        """Per variant (`capability:device`): warm idle processes, all processes, and starts so far. The
-        controller prefers a worker with a warm process for a task's variant (model loaded)."""
-        return {key: {"warm": r.pool.warm(), "size": r.pool.size, "started": r.pool.started_total}
-                for key, r in self.runnables.items()}  # fmt: skip
+        """Per variant (`capability:device`): idle warm processes, live ones (model loaded, busy or idle), all
+        (starting too), and starts so far. The controller prefers a worker with the variant's model loaded."""
+        return {key: {"warm": r.pool.warm(), "loaded": r.pool.loaded(), "size": r.pool.size,
+                      "started": r.pool.started_total} for key, r in self.runnables.items()}  # fmt: skip
 
     def _enforce_memory_limits(self) -> None:
         """Stop each task measured above its share of GPU memory, with `gpu_memory_exceeded`."""
@@ -412,7 +414,11 @@ class Agent:
                     self._shared[first["id"]] = SharedTask(first["id"], proc.pid, tuple(grant.get("uuids", [])),
                                                            int(grant.get("memory_bytes", 0)))  # fmt: skip
                 try:
-                    line = runnable.batch_line(leases) if batched and runnable.batch_line else runnable.task_line(first)
+                    line = (
+                        runnable.batch_line(leases)
+                        if batched and runnable.batch_line
+                        else runnable.task_line(first)
+                    )
                     outcome = await proc.run(line, sink, first.get("timeout_s"))
                     # a failure the program reported itself leaves it warm; a timeout or a crash does not
                     reusable = proc.alive and (outcome.error or {}).get("type") not in PROCESS_FAULTS

@@ -79,7 +79,9 @@ class ProtocolProcess:
         self._stderr_task: asyncio.Task[None] | None = None
         self.last_used = time.monotonic()
         self.tasks_served = 0
-        self.spawned_at: float | None = None  # epoch seconds when start() began: a cold start counts from here
+        self.spawned_at: float | None = (
+            None  # epoch seconds when start() began: a cold start counts from here
+        )
 
     @property
     def pid(self) -> int | None:
@@ -352,6 +354,10 @@ class ProcessPool:
     @property
     def size(self) -> int:
         return sum(len(v) for v in self.idle.values()) + len(self.busy) + self._starting
+
+    def loaded(self) -> int:
+        """Live processes past their start, busy or idle: the model is loaded in each."""
+        return self.warm() + sum(1 for p in self.busy if p.alive)
 
     def warm(self) -> int:
         """Idle live processes: a task for this variant would start at once, model loaded."""
