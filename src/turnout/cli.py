@@ -100,6 +100,8 @@ def up(
 
     _logging(verbose, log_format)
     state = _home(home)
+    if config is None and not app_ref:  # the demo app's prices and classify pipeline (src/turnout/demo.yaml)
+        from turnout.demo import CONFIG as config
     parts = build_controller(db=default_db(state), home=state, config=config, auth=not no_auth, host=host,
                              fresh_admin_token=True, limit_flags=parse_limit_flags(request_limit))  # fmt: skip
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
@@ -479,6 +481,15 @@ def gpus(
                       f"{m.utilization_pct:.0f}%" if m and m.utilization_pct is not None else "",
                       f"{m.temperature_c:.0f}C" if m and m.temperature_c is not None else "")  # fmt: skip
     out.print(table)
+
+
+@app.command()
+def demo() -> None:
+    """Start a controller, a CPU worker and a fake-GPU worker in this process, run the classify pipeline on sample
+    texts, and show where each stage ran and what it cost against running it all on a GPU."""
+    from turnout.demo_run import run as run_demo
+
+    raise typer.Exit(run_demo(out, err))
 
 
 @app.command()

@@ -31,6 +31,7 @@ class HandlerVariant:
     variant: Variant
     handler: Handler
     pool: PoolSettings = field(default_factory=PoolSettings)
+    setup: Callable[[str], None] | None = None  # once per warm process of this variant (a model load)
 
     @property
     def key(self) -> str:
@@ -65,10 +66,13 @@ class WorkerApplication:
         idle_timeout_s: float = 60.0,
         max_batch_size: int = 1,
         max_batch_wait_ms: float = 0.0,
+        setup: Callable[[str], None] | None = None,
     ) -> Callable[[Handler], Handler]:
         """Declare a variant. Pools: `min_processes` warm processes kept, at most `max_processes`, idle ones above
         the minimum exit after `idle_timeout_s`. Batching: with `max_batch_size` > 1 the handler receives a list
-        of inputs (up to that many, gathered for at most `max_batch_wait_ms`) and returns a list of outputs."""
+        of inputs (up to that many, gathered for at most `max_batch_wait_ms`) and returns a list of outputs.
+        `setup(device)` runs once per warm process of this variant, after the app's `@app.setup`: load this
+        variant's model there, and its time counts as the cold start, not as any task's run."""
         check_capability_name(name, "capability")
         spec: dict[str, Any] = {"cpu": cpu}
         for key, value in (("memory", memory), ("gpu", gpu), ("gpu_memory", gpu_memory), ("gpu_model", gpu_model),
@@ -87,7 +91,7 @@ class WorkerApplication:
 
         def register(fn: Handler) -> Handler:
             hv = HandlerVariant(Variant(name, device, resources, max_batch_size, float(max_batch_wait_ms)), fn,
-                                PoolSettings(min_processes, max_processes, idle_timeout_s))  # fmt: skip
+                                PoolSettings(min_processes, max_processes, idle_timeout_s), setup)  # fmt: skip
             if hv.key in self.variants:
                 raise InvalidInput(
                     f"{name}: a {device.value} variant is already defined in app {self.name}",

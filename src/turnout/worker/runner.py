@@ -140,6 +140,16 @@ def main(argv: list[str]) -> int:
                 {"event": "worker", "status": "loading", "message": f"setup of {app.name} on {torch_device}"}
             )
             app.setup_fn(torch_device)
+        if hv.setup is not None:
+            send(
+                {
+                    "event": "worker",
+                    "status": "loading",
+                    "message": f"setup of {capability} on {torch_device}",
+                }
+            )
+            hv.setup(torch_device)
+        if app.setup_fn is not None or hv.setup is not None:
             _limit_torch_memory()
     except Exception as exc:
         send({"event": "finish", "status": "failed", "error": {**_error(exc), "type": "setup_failed"}})
