@@ -590,6 +590,11 @@ class Controller:
     def _cost(self, task: Task, run_s: float | None) -> float | None:
         if run_s is None or task.device is None:
             return None
+        holder = task.worker_id or ""
+        if holder.startswith("cloud:") and self.settings.escalation:  # at the endpoint's price
+            from turnout.escalation import cloud_cost
+
+            return cloud_cost(self.settings.escalation.by_name(holder[len("cloud:") :]), run_s)
         price = self.settings.prices.per_second(task.device.value, task.gpu_model)
         if price is None:
             return None

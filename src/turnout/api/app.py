@@ -36,6 +36,7 @@ from turnout.api.service import POLL_S, Service, Signal
 from turnout.api.strictjson import StrictJsonRoute, json_body
 from turnout.auth import ANONYMOUS_ADMIN, Principal
 from turnout.errors import InvalidInput
+from turnout.escalation import Escalator
 from turnout.models import Completion, Device, Role, Task, TaskState, Variant, check_capability_name
 from turnout.resources import parse_resources
 
@@ -44,9 +45,14 @@ def create_app(service: Service) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await service.start()
+        escalator = Escalator(service) if service.controller.settings.escalation else None  # escalation.py
+        if escalator:
+            await escalator.start()
         try:
             yield
         finally:
+            if escalator:
+                await escalator.stop()
             await service.stop()
 
     app = FastAPI(title="Turnout", version=__version__, lifespan=lifespan)
