@@ -145,8 +145,10 @@ def test_a_task_with_no_local_capacity_runs_on_the_runpod_endpoint_and_pays_its_
 
 def test_the_plain_http_kind_answers_the_output_in_one_call(cloud: tuple[Cluster, StandIn]) -> None:
     c, pod = cloud
+    assert pod.calls == []
     done = c.result(c.submit("split", {"text": "a b"}, gpu="require", placement_timeout_s=30)["id"], wait=30)
     assert done["state"] == "succeeded" and done["output"]["where"] == "plain"
+    assert pod.calls == ["POST /plain"]
     assert done["device"] == "cloud:plain"
 
 
@@ -172,6 +174,7 @@ def test_a_failed_job_fails_its_task_with_the_endpoint_error(cloud: tuple[Cluste
     done = c.result(c.submit("count", {"mode": "fail"}, gpu="prefer", placement_timeout_s=30)["id"], wait=30)
     assert done["state"] == "failed" and done["error"]["type"] == "cloud_failed"
     assert "model crashed" in done["error"]["message"]
+    assert "POST /rp/run" in pod.calls
 
 
 def test_cancelling_a_task_mid_run_cancels_its_job_on_the_endpoint(cloud: tuple[Cluster, StandIn]) -> None:
