@@ -195,3 +195,12 @@ def test_a_one_off_process_reads_its_input_to_eof_and_a_missing_command_fails_cl
     assert asyncio.run(one(cat, {"a": [1, 2]})).output == {"a": [1, 2]}
     failed = asyncio.run(one(ghost, {}))
     assert failed.error["exit_code"] == 127 and "/no/such/program" in failed.error["message"]
+
+
+def test_a_session_preset_caps_its_pool_with_max_processes_and_one_off_refuses_it() -> None:
+    session = {"models": {"m": {"inference": {"command": ["x"], "mode": "session", "max_processes": 2}}}}
+    assert parse_presets(session)[0].max_processes == 2
+    one_off = {"models": {"m": {"inference": {"command": ["x"], "max_processes": 2}}}}
+    with pytest.raises(InvalidInput) as info:
+        parse_presets(one_off)
+    assert info.value.field == "models.m.inference.max_processes"

@@ -10,6 +10,7 @@
           mode: one-off                           # or session: one warm process serves many tasks
           timeout_s: 600                          # for tasks that set no timeout
           min_processes: 0                        # session mode: warm processes kept
+          max_processes: 2                        # session mode: at most this many (default: as tasks need)
           idle_timeout_s: 60                      # session mode: idle processes above the minimum exit
 
 The file is validated whole before anything starts; each error names the key (`models.llama.inference.
@@ -43,7 +44,7 @@ from turnout.worker.visibility import gpu_env
 
 DEFAULT_MODELS_DIR = Path("~/.turnout/models")
 INFERENCE_KEYS = ("command", "docker_image", "env_vars", "resources", "mode", "timeout_s", "min_processes",
-                  "idle_timeout_s")  # fmt: skip
+                  "max_processes", "idle_timeout_s")  # fmt: skip
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -63,6 +64,7 @@ class Preset:
     timeout_s: float | None
     min_processes: int = 0
     idle_timeout_s: float = 60.0
+    max_processes: int | None = None
 
 
 # ---- parsing ---------------------------------------------------------------------------------------
@@ -126,9 +128,17 @@ def _parse_inference(name: str, spec: Any, at: str) -> Preset:
     if min_processes and mode is Mode.ONE_OFF:
         raise _bad(f"{at}.min_processes", "only a session keeps warm processes; one-off starts one per task")
     idle_timeout_s = _number(spec.get("idle_timeout_s", 60.0), f"{at}.idle_timeout_s")
+    max_processes = spec.get("max_processes")
+    if max_processes is not None and (isinstance(max_processes, bool) or not isinstance(max_processes, int)
+                                      or max_processes < max(1, min_processes)):  # fmt: skip
+        raise _bad(
+            f"{at}.max_processes", f"expected a whole number >= max(1, min_processes), got {max_processes!r}"
+        )
+    if max_processes is not None and mode is Mode.ONE_OFF:
+        raise _bad(f"{at}.max_processes", "only a session keeps a pool; one-off starts one process per task")
     device = Device.GPU if resources.wants_gpu else Device.CPU
     return Preset(name, Variant(name, device, resources), command, image, _env_vars(spec.get("env_vars"), f"{at}.env_vars"),
-                  mode, timeout_s, min_processes, idle_timeout_s)  # fmt: skip
+                  mode, timeout_s, min_processes, idle_timeout_s, max_processes)  # fmt: skip
 
 
 def _command(value: Any, at: str) -> tuple[str, ...] | None:
@@ -201,7 +211,7 @@ def _runnable(preset: Preset, base_env: dict[str, str], models_dir: Path, docker
         pool = OneOffPool(launch)
     else:
         pool = ProcessPool(lambda key: launch(key, None), min_processes=preset.min_processes,
-                           idle_timeout_s=preset.idle_timeout_s)  # fmt: skip
+                           idle_timeout_s=preset.idle_timeout_s, max_processes=preset.max_processes)  # fmt: skip
     return Runnable(preset.variant, pool, raw_input_line)
 
 
