@@ -114,8 +114,12 @@ def test_each_stage_gets_the_run_input_updated_with_the_outputs_before_it(config
     listed = configured.api("GET", "/v1/pipeline-runs").json()["pipeline_runs"]
     assert [r["id"] for r in listed] == [run["id"]]
     metrics = configured.api("GET", "/metrics").text
-    line = next(x for x in metrics.splitlines() if x.startswith('turnout_tenant_cost_usd_total{capability="count"'))
-    assert 'tenant="default"' in line and float(line.split()[-1]) == pytest.approx(count["cost_usd"], abs=1e-9)
+    line = next(
+        x for x in metrics.splitlines() if x.startswith('turnout_tenant_cost_usd_total{capability="count"')
+    )
+    assert 'tenant="default"' in line and float(line.split()[-1]) == pytest.approx(
+        count["cost_usd"], abs=1e-9
+    )
     assert 'turnout_pipeline_runs{pipeline="words",state="succeeded"} 1.0' in metrics
 
 
