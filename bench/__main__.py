@@ -20,7 +20,7 @@ from typing import Any
 
 from bench.common import RESULTS
 
-BENCHES = ("throughput", "gpu_sampling", "openb", "events", "faults", "tenants")
+BENCHES = ("throughput", "gpu_sampling", "openb", "events", "faults", "tenants", "pipelines")
 QUICK_SECONDS = 2.0
 
 

@@ -64,7 +64,9 @@ def build_controller(
             f"--no-auth is refused unless the controller listens on loopback only (not {host})",
             field="no-auth",
         )
-    settings = controller_settings(config, heartbeat_s=heartbeat_s, limit_flags=limit_flags)
+    settings = controller_settings(
+        config, heartbeat_s=heartbeat_s, limit_flags=limit_flags, environ=os.environ
+    )
     private_dir(home)
     store = open_store(db)
     tokens = TokenBook(store)

@@ -57,6 +57,17 @@ def _tenancy(conn: sa.Connection) -> None:
     conn.execute(sa.text("UPDATE tokens SET tenant = '*' WHERE role = 'admin' AND tenant = 'default'"))
 
 
+def _pipelines_costs_profiles(conn: sa.Connection) -> None:
+    have = {c["name"] for c in sa.inspect(conn).get_columns("tasks")}
+    for col in ("cold_start_s", "usage"):
+        if col not in have:  # a database made by `_initial` from today's schema has them already
+            kind = schema.tasks.c[col].type.compile(dialect=conn.dialect)
+            conn.execute(sa.text(f"ALTER TABLE tasks ADD COLUMN {col} {kind}"))
+    schema.pipeline_runs.create(conn, checkfirst=True)
+    schema.profiles.create(conn, checkfirst=True)
+    schema.pipeline_run_index.create(conn, checkfirst=True)
+
+
 MIGRATIONS: list[Migration] = [
     (1, "initial tables", _initial),
     (2, "lease-order index; JSON null as SQL NULL", _queue_order_and_nulls),
@@ -66,6 +77,9 @@ MIGRATIONS: list[Migration] = [
     # The sandbox work (issue 10) first numbered the same column 6: here it adds the column only where it is
     # missing, so it is a no-op after 3, and a database that recorded 6 first finds 3 a no-op in turn.
     (6, "tasks.isolation under its first number: a no-op where migration 3 ran", _task_isolation),
+    # Issue 9's branch numbered this 101, apart from the others' next entries; nothing released used 101. It adds
+    # only what is missing, so a database that recorded 101 on that branch finds 7 a no-op.
+    (7, "pipeline runs, tasks.cold_start_s and usage, profiles", _pipelines_costs_profiles),
 ]
 
 
