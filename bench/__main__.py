@@ -20,7 +20,17 @@ from typing import Any
 
 from bench.common import RESULTS
 
-BENCHES = ("throughput", "gpu_sampling", "openb", "events", "faults", "tenants", "replicas", "files")
+BENCHES = (
+    "throughput",
+    "gpu_sampling",
+    "openb",
+    "events",
+    "faults",
+    "tenants",
+    "pipelines",
+    "replicas",
+    "files",
+)
 QUICK_SECONDS = 2.0
 
 

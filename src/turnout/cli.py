@@ -119,6 +119,8 @@ def up(
 
     _logging(verbose, log_format)
     state = _home(home)
+    if config is None and not app_ref:  # the demo app's prices and classify pipeline (src/turnout/demo.yaml)
+        from turnout.demo import CONFIG as config
     parts = build_controller(db=default_db(state), home=state, config=config, auth=not no_auth, host=host,
                              fresh_admin_token=True, limit_flags=parse_limit_flags(request_limit),
                              storage=storage)  # fmt: skip
@@ -390,6 +392,38 @@ def _print_task(task: dict[str, Any]) -> None:
     out.print_json(json.dumps(task, default=str))
 
 
+@app.command("run")
+def run_pipeline(
+    pipeline: str,
+    input: str = typer.Option("{}", "--input", "-i", help="The run's input as a JSON object."),
+    gpu: str | None = typer.Option(
+        None, help="gpu for stages that set none: prefer, never, require or auto."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the finished run as JSON, no live display."),
+) -> None:
+    """Run a pipeline: a live display of each stage (state, device, seconds), then a cost table."""
+    from turnout.cli_runs import cost_table, follow_run, saving_line
+
+    options = {"gpu": gpu} if gpu else {}
+    with _client() as client:
+        run = client.run_pipeline(pipeline, _json_arg(input, "--input"), **options)
+        if as_json:
+            run = client.pipeline_run(run["id"], wait=24 * 3600)
+        else:
+            run = follow_run(lambda wait: client.pipeline_run(run["id"], wait=wait), run, err)
+    if as_json:
+        out.print_json(json.dumps(run))
+    else:
+        out.print(cost_table(run))
+        out.print(saving_line(run), markup=False, highlight=False)
+        if run["error"]:
+            err.print(f"error: {run['error'].get('message')}", markup=False, highlight=False, soft_wrap=True)
+        if run["output"] is not None:
+            out.print_json(json.dumps(run["output"]))
+    if run["state"] != "succeeded":
+        raise typer.Exit(1)
+
+
 @app.command()
 def task(task_id: str, as_json: bool = typer.Option(False, "--json", help="The task as JSON.")) -> None:
     """Show one task: where it ran, why there, how long, what it cost."""
@@ -508,6 +542,15 @@ def gpus(
                       f"{m.utilization_pct:.0f}%" if m and m.utilization_pct is not None else "",
                       f"{m.temperature_c:.0f}C" if m and m.temperature_c is not None else "")  # fmt: skip
     out.print(table)
+
+
+@app.command()
+def demo() -> None:
+    """Start a controller, a CPU worker and a fake-GPU worker in this process, run the classify pipeline on sample
+    texts, and show where each stage ran and what it cost against running it all on a GPU."""
+    from turnout.demo_run import run as run_demo
+
+    raise typer.Exit(run_demo(out, err))
 
 
 @app.command()

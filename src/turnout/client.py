@@ -242,8 +242,33 @@ class AsyncClient:
     async def delete_file(self, file_id: str) -> dict[str, Any]:
         return await self.request("DELETE", f"/v1/files/{file_id}")
 
-    async def run_pipeline(self, name: str, input: Any, **options: Any) -> dict[str, Any]:
-        return await self.request("POST", f"/v1/pipelines/{name}/runs", json={"input": input, **options})
+    async def run_pipeline(
+        self, name: str, input: Any = None, *, wait: float | None = None, **options: Any
+    ) -> dict[str, Any]:
+        """Start a run of pipeline `name`; with `wait`, wait up to that many seconds for it to end.
+
+        Answers the run: `state`, `stages` (each with device, worker, seconds and cost), `cost_usd`,
+        `gpu_only_cost_usd`. `options`: `gpu` for stages that set none in the config."""
+        run = await self.request("POST", f"/v1/pipelines/{name}/runs", json={"input": input, **options})
+        return run if not wait else await self.pipeline_run(run["id"], wait=wait)
+
+    async def pipeline_run(self, run_id: str, wait: float = 0) -> dict[str, Any]:
+        """A run; waits up to `wait` seconds (in steps of at most 30 s) for it to end."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while True:
+            step = max(0.0, min(30.0, deadline - loop.time()))
+            run = await self.request("GET", f"/v1/pipeline-runs/{run_id}", params={"wait": step})
+            if run["state"] in TERMINAL or loop.time() >= deadline:
+                return run
+
+    async def pipeline_runs(self, **filters: Any) -> dict[str, Any]:
+        return await self.request(
+            "GET", "/v1/pipeline-runs", params={k: v for k, v in filters.items() if v is not None}
+        )
+
+    async def cancel_pipeline_run(self, run_id: str) -> dict[str, Any]:
+        return await self.request("POST", f"/v1/pipeline-runs/{run_id}/cancel")
 
     async def events(self, task_id: str, after: int = 0) -> AsyncIterator[dict[str, Any]]:
         """The task's events as they happen (Server-Sent Events), resuming after `after`; ends after `finish`."""
@@ -388,7 +413,8 @@ class Client:
 
     def __getattr__(self, name: str) -> Any:
         """get_task, get_result, cancel, tasks, workers, capabilities, create_token, list_tokens, revoke_token,
-        audit, run_pipeline, upload, download, delete_file: run the async twin."""
+        audit, run_pipeline, pipeline_run, pipeline_runs, cancel_pipeline_run, upload, download, delete_file: run
+        the async twin."""
         method = getattr(self._async, name)
         if not asyncio.iscoroutinefunction(method):
             raise AttributeError(name)

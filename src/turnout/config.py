@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -13,8 +13,23 @@ from turnout.errors import InvalidInput
 from turnout.resources import parse_bytes
 from turnout.tenancy import LimitsTable, parse_limits
 
+if TYPE_CHECKING:
+    from turnout.escalation import EscalationSettings
+    from turnout.pipelines import Pipeline
+
 DEFAULT_PORT = 8750
 MiB = 1024**2
+# The top-level keys of turnout.yaml. `limits` (per tenant) is parsed where tenants are; known here so the file
+# is validated as one: a misspelt key is an error naming it and the file, before anything starts.
+CONFIG_KEYS = (
+    "prices",
+    "pipelines",
+    "escalation",
+    "request_limits",
+    "limits",
+    "file_retention_s",
+    "long_poll_recheck_s",
+)
 
 
 @dataclass(frozen=True)
@@ -121,6 +136,8 @@ class ControllerSettings:
     request_limits: RequestLimits = field(default_factory=RequestLimits)  # `request_limits:`, per request
     tenant_limits: LimitsTable = field(default_factory=LimitsTable)  # `limits:`, per tenant
     raw_config: dict[str, Any] = field(default_factory=dict)
+    pipelines: Mapping[str, Pipeline] = field(default_factory=dict)
+    escalation: EscalationSettings | None = None
 
 
 def load_config_file(path: Path | None) -> dict[str, Any]:
@@ -163,11 +180,30 @@ def parse_prices(raw: Any, source: str = "prices") -> Prices:
 
 
 def controller_settings(
-    config_path: Path | None = None, *, limit_flags: Mapping[str, str] | None = None, **overrides: Any
+    config_path: Path | None = None,
+    *,
+    limit_flags: Mapping[str, str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    **overrides: Any,
 ) -> ControllerSettings:
-    """Settings from the config file, then flags: `limit_flags` (from `--request-limit`) win over the file's."""
+    """Settings from the config file, then flags: `limit_flags` (from `--request-limit`) win over the file's.
+
+    The whole file is validated before anything starts; every error names the key and the file. `environ`
+    holds the variables an escalation endpoint's `api_key_env` names (read here, at the edge, once).
+    """
+    from turnout.escalation import parse_escalation
+    from turnout.pipelines import parse_pipelines
+
     raw = load_config_file(config_path)
-    prices = parse_prices(raw.get("prices"), f"{config_path}: prices" if config_path else "prices")
+    where = f"{config_path}: " if config_path else ""
+    unknown = sorted(str(k) for k in raw if k not in CONFIG_KEYS)
+    if unknown:
+        raise InvalidInput(
+            f"{where}{unknown[0]}: unknown key (known: {', '.join(CONFIG_KEYS)})", field=unknown[0]
+        )
+    prices = parse_prices(raw.get("prices"), f"{where}prices")
+    pipelines = parse_pipelines(raw.get("pipelines"), f"{where}pipelines")
+    escalation = parse_escalation(raw.get("escalation"), f"{where}escalation", environ=environ)
     file_limits = raw.get("request_limits")
     source = f"{config_path}: request_limits" if config_path else "request_limits"
     limits = parse_request_limits(file_limits, source)
@@ -183,9 +219,13 @@ def controller_settings(
     if isinstance(retention, bool) or not isinstance(retention, int | float) or retention < 0:
         raise InvalidInput(f"file_retention_s: expected seconds >= 0 (0: kept for ever), got {retention!r}",
                            field="file_retention_s")  # fmt: skip
-    tenant_limits = parse_limits(raw.get("limits"), str(config_path) if config_path else None)
-    return ControllerSettings(prices=prices, request_limits=limits, tenant_limits=tenant_limits, raw_config=raw,
-                              recheck_s=float(recheck), file_retention_s=float(retention), **overrides)  # fmt: skip
+    overrides.setdefault(
+        "tenant_limits", parse_limits(raw.get("limits"), str(config_path) if config_path else None)
+    )
+    overrides.setdefault("pipelines", pipelines)
+    overrides.setdefault("escalation", escalation)
+    return ControllerSettings(prices=prices, request_limits=limits, raw_config=raw, recheck_s=float(recheck),
+                              file_retention_s=float(retention), **overrides)  # fmt: skip
 
 
 def _fields_of(limits: RequestLimits, names: Mapping[str, str]) -> dict[str, int]:

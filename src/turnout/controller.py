@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from turnout import placement
+from turnout import placement, profiles
 from turnout.access import ALL_TENANTS, worker_serves
+from turnout.batching import BatchBook
 from turnout.config import ControllerSettings
 from turnout.errors import Conflict, IdempotencyConflict, InvalidInput, NotFound
 from turnout.files import refs_in
@@ -30,6 +31,7 @@ from turnout.models import (
     ACTIVE_STATES,
     Completion,
     Device,
+    GpuMode,
     Lease,
     Task,
     TaskSpec,
@@ -80,6 +82,31 @@ class LeaseResult:
     leases: list[Lease] = field(default_factory=list)
     cancel: list[str] = field(default_factory=list)  # task ids the worker must stop
     full: bool = False  # the worker has no room for anything it offers: only freed capacity changes that
+    retry_in_s: float | None = None  # a batch is filling: ask again by then, even if nothing else changes
+
+
+@dataclass(frozen=True)
+class AutoRoute:
+    """`auto`'s verdict for one task on the asking worker: a route, or device None (another class is sooner)."""
+
+    device: Device | None
+    reason: str = ""
+
+
+def _auto_route(
+    fleet: profiles.Fleet, capability: str, offer: WorkerOffer, cluster: ClusterView
+) -> Route | AutoRoute | None:
+    """`auto` with history: the device class with the earliest expected finish, if this worker can run it now.
+    None (no history for both classes, or the chosen class has no live worker): route as `prefer` does."""
+    choice = profiles.choose(fleet.side(capability, Device.CPU), fleet.side(capability, Device.GPU))
+    if choice is None:
+        return None
+    if (choice.device is Device.GPU and not cluster.gpu_possible) or (
+        choice.device is Device.CPU and not cluster.cpu_possible
+    ):
+        return None
+    fits = offer.gpu_fits if choice.device is Device.GPU else offer.cpu_fits
+    return Route(choice.device, choice.reason) if fits else AutoRoute(None, choice.reason)
 
 
 class Controller:
@@ -98,6 +125,9 @@ class Controller:
         self.gpu_allocations = TenantBuckets(gpu_allocation_rule(settings.tenant_limits), clock)
         self._queued_tenants: tuple[float, set[str]] | None = None
         self._turn = 0  # which tenant's queue a lease looks at first: rotates, so none is always first
+        from turnout.runs import PipelineRuns
+
+        self.runs = PipelineRuns(self)  # pipeline runs: advanced in the same call that ends a stage
 
     # ---- tasks -------------------------------------------------------------------------------
 
@@ -129,13 +159,17 @@ class Controller:
             )
             for s in specs
         ]
-        if self._queued_tenants is not None:
-            self._queued_tenants[1].add(tenant)
+        self.queued_for(tenant)
         try:
             return self.store.insert_tasks(tasks)
         except IdempotencyConflict as exc:
             field = f"{where[exc.index]}idempotency_key"
             raise IdempotencyConflict(exc.key, exc.task_id, index=exc.index, field=field) from None
+
+    def queued_for(self, tenant: str) -> None:
+        """A task of `tenant` is being queued: shared workers look at its queue from now on."""
+        if self._queued_tenants is not None:
+            self._queued_tenants[1].add(tenant)
 
     def _check_known(self, capability: str, field_name: str, tenant: str) -> None:
         if capability in self._known:
@@ -200,7 +234,9 @@ class Controller:
         if changed:
             self.audit("task_cancelled", task.tenant, {"task": task_id, "worker": task.worker_id,
                                                         "state": task.state.value, "by": by})  # fmt: skip
-            self._audit_release(task, now)
+            self._audit_releases([task], now)
+            if task.pipeline_run_id:
+                self.runs.advance(changed)
         return self.get_task(tenant, task_id)
 
     # ---- workers -----------------------------------------------------------------------------
@@ -376,14 +412,47 @@ class Controller:
         cluster_cache: dict[tuple[str, str, str], ClusterView] = {}
         fleet_view: placement.Fleet | None = None  # built on the first GPU candidate only
         gpu_use: dict[str, float] | None = None  # GPUs each tenant holds, read on the first GPU grant only
+        granted: dict[
+            str, int
+        ] = {}  # GPU grants planned in this request per tenant (tokens taken once leased)
         limits = self.settings.tenant_limits
+        book = BatchBook()  # batched variants: tasks that ride on their leader's grant (batching.py)
+        auto_fleet: profiles.Fleet | None = None  # built on the first `auto` task only
+        serves: dict[str, str] | None = None  # whom each worker serves, read only for warm affinity
         # look a little past what fits (not the whole window) unless the head of the queue is not for us
         slots = min(max_tasks, int((room.cpu + 1e-9) / smallest) if smallest > 0 else max_tasks)
         window = min(self.settings.lease_window, max(16, 4 * slots))
         for task in self._queue(caps, window, tenant):
-            if len(leases) >= max_tasks or room.cpu + 1e-9 < smallest:
+            if len(leases) >= max_tasks or (room.cpu + 1e-9 < smallest and not book.has_room()):
                 break
             offered = worker.offers(task.spec.capability)
+            waited = now - (task.queued_at or task.created_at)
+            key = placement.view_key(task)
+            if key not in cluster_cache:
+                cluster_cache[key] = placement.cluster_view(workers, task)
+            riding = book.joinable(task)
+            if riding is not None:
+                # the batch's grant is taken: the task fits exactly where its leader went, if it may go there
+                ride = WorkerOffer(cpu_variant=Device.CPU in offered, gpu_variant=Device.GPU in offered,
+                                   cpu_fits=riding.device is Device.CPU, gpu_fits=riding.device is Device.GPU)  # fmt: skip
+                routed = route(task.spec.gpu, waited, task.spec.gpu_wait_s, ride, cluster_cache[key])
+                if routed is not None and routed.device is riding.device:
+                    routing = {"requested": task.spec.gpu.value, "device": routed.device.value,
+                               "reason": f"{routed.reason}; batched with {riding.leader.id}"}  # fmt: skip
+                    values = {"state": TaskState.LEASED, "worker_id": worker_id, "device": routed.device,
+                              "gpus": riding.grant, "gpu_model": (riding.grant or {}).get("model"), "routing": routing,
+                              "leased_at": now, "attempts": task.attempts + 1, "unservable_since": None,
+                              "alloc": book.rider_alloc(riding)}  # fmt: skip
+                    updates.append((task.id, (TaskState.QUEUED,), task.attempts, values))
+                    leased = replace(task, state=TaskState.LEASED, worker_id=worker_id, device=routed.device,
+                                     gpus=riding.grant, routing=routing, attempts=task.attempts + 1, leased_at=now)  # fmt: skip
+                    leases.append(
+                        Lease(leased, routed.device, riding.variant.resources, riding.grant, riding.leader.id)
+                    )
+                    riding.members.append(task.id)
+                    continue
+            if room.cpu + 1e-9 < smallest:
+                continue
             cpu_res = placement.needs(offered.get(Device.CPU), task)
             gpu_res = placement.needs(offered.get(Device.GPU), task)
             grant = placement.try_gpu(room, gpu_res, task) if gpu_res else None
@@ -395,7 +464,10 @@ class Controller:
                     gpu_use = self.store.gpu_use_by_tenant() if gpu_use is None else gpu_use
                     if gpu_use.get(task.tenant, 0.0) + share > quota + 1e-9:
                         no_gpu = f"tenant {task.tenant} holds its max_gpus {quota:g}"
-                if no_gpu is None and self.gpu_allocations.wait_s(task.tenant) > 0:
+                if (
+                    no_gpu is None
+                    and self.gpu_allocations.wait_s(task.tenant, 1 + granted.get(task.tenant, 0)) > 0
+                ):
                     no_gpu = f"tenant {task.tenant} is over its gpu_allocations_per_min"
                 if no_gpu is not None:
                     grant = None
@@ -403,13 +475,28 @@ class Controller:
                 cpu_variant=cpu_res is not None, gpu_variant=gpu_res is not None,
                 cpu_fits=cpu_res is not None and placement.fits(room, cpu_res), gpu_fits=grant is not None,
             )  # fmt: skip
-            key = placement.view_key(task)
-            if key not in cluster_cache:
-                cluster_cache[key] = placement.cluster_view(workers, task)
-            decision = route(task.spec.gpu, now - (task.queued_at or task.created_at), task.spec.gpu_wait_s,
-                             offer, cluster_cache[key])  # fmt: skip
+            decision: Route | None = None
+            if task.spec.gpu is GpuMode.AUTO:  # earliest expected finish, once profiles exist (profiles.py)
+                auto_fleet = auto_fleet or self._auto_fleet(workers)
+                verdict = _auto_route(auto_fleet, task.spec.capability, offer, cluster_cache[key])
+                if isinstance(verdict, AutoRoute):
+                    if no_gpu is None:
+                        continue  # the other device class finishes it sooner: left for a worker that has it free
+                    # the GPU is sooner but not this tenant's now (quota, rate): the queue estimate knows
+                    # nothing of limits, so route as `prefer` does (wait gpu_wait_s, then the CPU)
+                else:
+                    decision = verdict
+            if decision is None:
+                decision = route(task.spec.gpu, waited, task.spec.gpu_wait_s, offer, cluster_cache[key])
             if decision is None:
                 continue
+            if profiles.leave_for_warm(worker, workers, task.spec.capability, decision.device, waited):
+                # a worker with the model loaded can take it: leave it there a moment, if that worker may
+                # serve this tenant (read only now: a fresh task on a cold worker with a warm one elsewhere)
+                serves = self.store.worker_tenants() if serves is None else serves
+                theirs = [w for w in workers if worker_serves(serves.get(w.id, ALL_TENANTS), task.tenant)]
+                if profiles.leave_for_warm(worker, theirs, task.spec.capability, decision.device, waited):
+                    continue
             if decision.device is Device.GPU and gpu_res is not None:
                 fleet_view = fleet_view or self._fleet_view(workers)
                 fleet_view.update(worker_id, room)
@@ -432,7 +519,7 @@ class Controller:
             grant_dict = None
             alloc: dict[str, Any] = {"cpu": res.cpu, "memory": res.memory_bytes}
             if decision.device is Device.GPU and grant is not None:
-                self.gpu_allocations.take(task.tenant)
+                granted[task.tenant] = granted.get(task.tenant, 0) + 1
                 if gpu_use is not None:
                     gpu_use[task.tenant] = gpu_use.get(task.tenant, 0.0) + share
                 room.usage = add_grant(room.usage, grant, placement.workload(task), task.tenant)
@@ -441,6 +528,11 @@ class Controller:
                     "unit_memory_bytes": min(u.memory_bytes for u in room.units if u.uuid in grant.uuids),
                 }
                 alloc["gpu_share"] = gpu_units_of(grant, room.units)
+            batch = book.start(
+                task, decision.device, offered.get(decision.device), grant_dict, alloc.get("gpu_share")
+            )
+            if batch is not None:
+                alloc["batch"] = task.id
             kept = {k: v for k, v in (task.routing or {}).items() if k in KEPT_ROUTING}
             routing = {
                 **kept,
@@ -457,12 +549,33 @@ class Controller:
             updates.append((task.id, (TaskState.QUEUED,), task.attempts, values))
             leased = replace(task, state=TaskState.LEASED, worker_id=worker_id, device=decision.device,
                              gpus=grant_dict, routing=routing, attempts=task.attempts + 1, leased_at=now)  # fmt: skip
-            leases.append(Lease(leased, decision.device, res, grant_dict))
+            leases.append(Lease(leased, decision.device, res, grant_dict, task.id if batch else None))
+        retry_in_s = None
+        filling = book.waiting(now)  # batches still filling: leased once full or their wait is over
+        if filling:
+            skip = {tid for b in filling for tid in b.members}
+            updates = [u for u in updates if u[0] not in skip]
+            leases = [lease for lease in leases if lease.task.id not in skip]
+            retry_in_s = min(b.wait_left_s(now) for b in filling)
         if updates:
             won = set(self.store.update_tasks(updates))
             leases = [lease for lease in leases if lease.task.id in won]
-            self._audit_allocations(worker_id, [lease for lease in leases if lease.grant], now)
-        return LeaseResult(leases, cancel)
+            allocated = [lease for lease in leases if lease.grant and lease.batch in (None, lease.task.id)]
+            for lease in allocated:  # a batch still filling or a lost race allocated nothing: no token taken
+                self.gpu_allocations.take(lease.task.tenant)
+            self._audit_allocations(worker_id, allocated, now)
+        return LeaseResult(leases, cancel, retry_in_s=retry_in_s)
+
+    def _auto_fleet(self, workers: Sequence[Worker]) -> profiles.Fleet:
+        """What `gpu: auto` weighs, read once per lease request: profiles, and the work queued and running."""
+        stats = self.store.task_stats((TaskState.QUEUED, *ACTIVE))
+        active = tuple(
+            (r["capability"], r["device"], r["count"])
+            for r in stats
+            if r["state"] != "queued" and r["device"]
+        )
+        queued = tuple((r["capability"], r["gpu_mode"], r["count"]) for r in stats if r["state"] == "queued")
+        return profiles.Fleet(tuple(self.runs.store.profiles()), tuple(workers), active, queued)
 
     def _requeue_undelivered(self, tasks: Sequence[Task], now: float) -> list[str]:
         """Put back leases whose answer never reached their worker; returns the ids that changed.
@@ -487,8 +600,12 @@ class Controller:
         for t in tasks:
             if t.id in done:
                 log.warning("task %s: its lease never reached worker %s; taken back", t.id, t.worker_id)
-                self._audit_release(t, now)
+        self._audit_releases([t for t in tasks if t.id in done], now)
         return done
+
+    def queued_fairly(self, caps: set[str], limit: int) -> Iterator[Task]:
+        """Queued tasks of these capabilities, every tenant's in the fair order shared workers lease in."""
+        return self._queue(caps, limit, ALL_TENANTS)
 
     def _queue(self, caps: set[str], window: int, tenant: str) -> Iterator[Task]:
         """Queued tasks a worker serving `tenant` may take: that tenant's in order, or, for a shared worker,
@@ -563,8 +680,10 @@ class Controller:
                 continue
             started = c.started_at or t.started_at or t.leased_at
             run_s = c.run_s if c.run_s is not None else (now - started if started else None)
+            billed = None if run_s is None else run_s + (c.cold_start_s or 0.0)
             values: dict[str, Any] = {"finished_at": now, "run_s": run_s, "started_at": started,
-                                      "cost_usd": self._cost(t, run_s), "isolation": c.isolation}  # fmt: skip
+                                      "cost_usd": self._cost(t, billed), "isolation": c.isolation,
+                                      "cold_start_s": c.cold_start_s, "usage": c.usage}  # fmt: skip
             if c.succeeded:
                 values.update(state=TaskState.SUCCEEDED, output=c.output, error=None)
             else:
@@ -576,17 +695,39 @@ class Controller:
             updates.append((t.id, ACTIVE, c.attempt, values))
             finished.append(t)
         accepted = self.store.update_tasks(updates)
+        ended = [t for t in finished if t.id in set(accepted)]
+        self._audit_releases(ended, now)  # before the re-queue's: a batch's last change releases its grant
         accepted += self._requeue(requeue, now)
         accepted += repeated
         done = set(accepted)
-        for t in finished:
-            if t.id in done:
-                self._audit_release(t, now)
+        self._learn(ended, {c.task_id: c for c in completions}, now)
+        if any(t.pipeline_run_id for t in ended):
+            self.runs.advance([t.id for t in ended if t.pipeline_run_id])  # the next stage, in this commit
         return accepted, [c.task_id for c in completions if c.task_id not in done]
+
+    def _learn(self, ended: Sequence[Task], by_id: Mapping[str, Completion], now: float) -> None:
+        """Fold each success into its (capability, device class, GPU model) profile, for `gpu: auto`."""
+        for t in ended:
+            c = by_id[t.id]
+            if not c.succeeded or c.run_s is None or t.device is None or t.worker_id is None:
+                continue
+            if t.worker_id.startswith("cloud:"):
+                continue  # a cloud endpoint's time says nothing about local devices
+            usage = c.usage or {}
+            self.runs.store.record_profile(
+                t.spec.capability, t.device.value, t.gpu_model, run_s=c.run_s, cold_start_s=c.cold_start_s,
+                peak_gpu_memory_bytes=usage.get("peak_gpu_memory_bytes"), peak_rss_bytes=usage.get("peak_rss_bytes"),
+                now=now,
+            )  # fmt: skip
 
     def _cost(self, task: Task, run_s: float | None) -> float | None:
         if run_s is None or task.device is None:
             return None
+        holder = task.worker_id or ""
+        if holder.startswith("cloud:") and self.settings.escalation:  # at the endpoint's price
+            from turnout.escalation import cloud_cost
+
+            return cloud_cost(self.settings.escalation.by_name(holder[len("cloud:") :]), run_s)
         price = self.settings.prices.per_second(task.device.value, task.gpu_model)
         if price is None:
             return None
@@ -606,9 +747,7 @@ class Controller:
                       "queued_at": now, "routing": routing, "alloc": None}  # fmt: skip
             updates.append((t.id, ACTIVE, t.attempts, values))
         done = self.store.update_tasks(updates)
-        for t, _ in items:
-            if t.id in done:
-                self._audit_release(t, now)
+        self._audit_releases([t for t, _ in items if t.id in done], now)
         return done
 
     def _requeue_lost(self, tasks: Sequence[Task], why: str) -> list[str]:
@@ -623,9 +762,7 @@ class Controller:
                 for t in give_up
             ]
         )
-        for t in give_up:
-            if t.id in failed:
-                self._audit_release(t, now)
+        self._audit_releases([t for t in give_up if t.id in failed], now)
         return done + failed
 
     # ---- the periodic sweep ------------------------------------------------------------------
@@ -659,6 +796,8 @@ class Controller:
         overdue: list[Change] = []
         overdue_tasks: list[Task] = []
         for t in self.store.active_tasks():
+            if (t.worker_id or "").startswith("cloud:"):
+                continue  # held by an escalation endpoint: escalation.py watches it
             holder = by_id.get(t.worker_id or "")
             if holder is None or holder.state in (WorkerState.UNHEALTHY, WorkerState.GONE):
                 lost.append(t)
@@ -679,11 +818,10 @@ class Controller:
             changed |= bool(expired)
         if overdue:
             timed_out = set(self.store.update_tasks(overdue))
-            for t in overdue_tasks:
-                if t.id in timed_out:
-                    self._audit_release(t, now)
+            self._audit_releases([t for t in overdue_tasks if t.id in timed_out], now)
             changed |= bool(timed_out)
         changed |= self._expire_unplaceable(now, [w for w in workers if w.state is WorkerState.HEALTHY])
+        changed |= self.runs.sweep()  # stages that ended by timeout, lost workers, no capacity
         return changed
 
     def _expire_unplaceable(self, now: float, healthy: Sequence[Worker]) -> bool:
@@ -759,15 +897,37 @@ class Controller:
                "memory_bytes": (lease.grant or {}).get("memory_bytes"), "start": now}) for lease in leases]
         )  # fmt: skip
 
-    def _audit_release(self, task: Task, now: float) -> None:
-        """Called once per attempt that held GPUs, by whichever change ended it (its conditional update won)."""
-        if task.gpus:
-            start = task.leased_at
-            self.audit("gpu_released", task.tenant, {"task": task.id, "attempt": task.attempts, "worker": task.worker_id,
-                                                      "gpus": list(task.gpus.get("uuids", [])),
-                                                      "memory_bytes": task.gpus.get("memory_bytes"),
-                                                      "start": start, "end": now,
-                                                      "seconds": round(now - start, 6) if start else None})  # fmt: skip
+    def _audit_releases(self, tasks: Sequence[Task], now: float) -> None:
+        """One `gpu_released` per attempt that held GPUs, by whichever change ended it (its conditional update
+        won): `tasks` are those one change ended. A batch holds its leader's one grant (batching.py) until
+        its last task ends, whichever that is: the record names the leader's allocation (task and attempt)."""
+        held: list[tuple[Task, str, int]] = []  # (a task that ended, the allocation's task id and attempt)
+        batches: dict[str, Task] = {}
+        for t in tasks:
+            batch = placement.batch_of(t)
+            if not t.gpus:
+                continue
+            if batch is None:
+                held.append((t, t.id, t.attempts))
+            else:
+                batches.setdefault(batch, t)
+        if batches:
+            ended = {t.id for t in tasks}
+            workers = sorted({t.worker_id for t in batches.values() if t.worker_id})
+            riding = {placement.batch_of(t) for t in self.store.active_tasks(workers) if t.id not in ended}
+            for batch, t in batches.items():
+                if batch not in riding:  # nothing of the batch runs on: its grant is free
+                    attempt = (
+                        t.attempts if batch == t.id else int((t.alloc or {}).get("batch_attempt", t.attempts))
+                    )
+                    held.append((t, batch, attempt))
+        for t, task_id, attempt in held:
+            start = t.leased_at  # a batch's tasks were leased together
+            self.audit("gpu_released", t.tenant, {"task": task_id, "attempt": attempt, "worker": t.worker_id,
+                                                  "gpus": list((t.gpus or {}).get("uuids", [])),
+                                                  "memory_bytes": (t.gpus or {}).get("memory_bytes"),
+                                                  "start": start, "end": now,
+                                                  "seconds": round(now - start, 6) if start else None})  # fmt: skip
 
 
 def _audit_tenant(tenant: str) -> str | None:

@@ -94,13 +94,18 @@ class Variant:
     capability: str
     device: Device
     resources: Resources
+    max_batch_size: int = 1  # > 1: the controller leases up to this many of its tasks together, on one grant
+    max_batch_wait_ms: float = 0.0  # how long a batch may wait to fill before it is leased part full
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "capability": self.capability,
             "device": self.device.value,
             "resources": self.resources.to_dict(),
         }
+        if self.max_batch_size > 1:
+            out.update(max_batch_size=self.max_batch_size, max_batch_wait_ms=self.max_batch_wait_ms)
+        return out
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,8 @@ class Task:
     finished_at: float | None = None
     run_s: float | None = None
     cost_usd: float | None = None
+    cold_start_s: float | None = None  # process start and setup paid by this task (no warm process was ready)
+    usage: dict[str, Any] | None = None  # what it used: peak_rss_bytes, peak_gpu_memory_bytes, batch_size
     unservable_since: float | None = None
     pipeline_run_id: str | None = None
     alloc: dict[str, Any] | None = None  # CPU, memory and GPU share held while leased or running
@@ -181,6 +188,7 @@ class Lease:
     device: Device
     resources: Resources
     grant: dict[str, Any] | None
+    batch: str | None = None  # the leader's task id, for every task leased in a batch (batching.py)
 
 
 @dataclass(frozen=True)
@@ -195,3 +203,5 @@ class Completion:
     run_s: float | None = None
     started_at: float | None = None
     isolation: dict[str, Any] | None = None  # e.g. {"pdeathsig": true, "mode": "sandbox", ...}
+    cold_start_s: float | None = None  # process start and setup this attempt waited for
+    usage: dict[str, Any] | None = None  # peak_rss_bytes, peak_gpu_memory_bytes, batch_size

@@ -53,7 +53,7 @@ def devices_from_dicts(gpus: Iterable[dict[str, Any]]) -> list[GpuDevice]:
 def room_of(worker: Worker, active: Sequence[Task]) -> Room:
     """What a worker has free: its capacity less what its leased and running tasks hold."""
     units = units_of(devices_from_dicts(worker.gpus), frozenset(worker.quarantined))
-    grants = [(GpuGrant.from_dict(t.gpus), workload(t), t.tenant) for t in active if t.gpus]
+    grants = [(GpuGrant.from_dict(t.gpus), workload(t), t.tenant) for t in grant_holders(active) if t.gpus]
     cpu = worker.cpu - sum(float((t.alloc or {}).get("cpu", 0)) for t in active)
     memory = worker.memory_bytes - sum(int((t.alloc or {}).get("memory", 0)) for t in active)
     return Room(cpu, memory, units, usage_from_grants(grants), strategy_of(worker.strategy))
@@ -97,7 +97,7 @@ class Fleet:
         self.rooms = {w.id: room_of(w, active.get(w.id, [])) for w in gpu_workers}
         self.running: list[GpuRequest] = []
         for w in gpu_workers:
-            for t in active.get(w.id, []):
+            for t in grant_holders(active.get(w.id, [])):
                 res = (
                     needs(w.offers(t.spec.capability).get(Device.GPU), t) if t.device is Device.GPU else None
                 )
@@ -124,6 +124,29 @@ class Fleet:
                 self.index.upsert(worker_id, room.units, room.usage, Host(room.cpu, room.memory_bytes))
         choice = self.index.choose(request)
         return str(choice[0]) if choice else None
+
+
+def grant_holders(active: Sequence[Task]) -> list[Task]:
+    """The tasks whose grants are held now: each task's own, and each batch's once (batching.py), by its leader
+    while the leader is active, else by a rider still running on it (a cancelled or timed-out leader does
+    not free the GPU its riders' process still uses, nor hand it to another tenant)."""
+    ids = {t.id for t in active}
+    held: set[str] = set()
+    out = []
+    for t in active:
+        batch = batch_of(t)
+        if batch is None:
+            out.append(t)
+        elif batch not in held and (batch == t.id or batch not in ids):
+            held.add(batch)
+            out.append(t)
+    return out
+
+
+def batch_of(task: Task) -> str | None:
+    """The leader's id of the batch the task was leased in (its own id for a leader); None outside a batch."""
+    batch = (task.alloc or {}).get("batch")
+    return str(batch) if batch is not None else None
 
 
 def needs(variant: Variant | None, task: Task) -> Resources | None:

@@ -69,7 +69,7 @@ def build_controller(
         )
     files_dir = Path(storage).expanduser() if storage else home / "files"  # task inputs and outputs
     settings = controller_settings(
-        config, heartbeat_s=heartbeat_s, limit_flags=limit_flags, storage_dir=files_dir
+        config, heartbeat_s=heartbeat_s, limit_flags=limit_flags, environ=os.environ, storage_dir=files_dir
     )
     private_dir(home)
     store = open_store(db)

@@ -39,8 +39,9 @@ REGISTER = {"name": "probe", "host": "h", "variants": [{"capability": "count", "
 @dataclass(frozen=True)
 class Row:
     """One route's contract. `obj`: what its path or tenant parameter names, and so who owns the call:
-    task / token / worker / file (another tenant's: 404), self (the worker protocol: only the worker itself,
-    else 403), tenant (a tenant named in the query or body: another's is `cross`), None (no one's)."""
+    task / token / worker / run (a pipeline run) / file (another tenant's: 404), self (the worker protocol:
+    only the worker itself, else 403), tenant (a tenant named in the query or body: another's is `cross`), None
+    (no one's). A `{name}` in a path is the pipeline configured below, `probe`."""
 
     action: str | None  # None: public
     obj: str | None = None
@@ -92,7 +93,13 @@ ROUTES: dict[tuple[str, str], Row] = {
                                                             allowed=404),
     ("HEAD", "/v1/workers/{worker_id}/files/{file_id}"): Row("worker", "self", params=lambda o: NO_TASK,
                                                              allowed=404),
+    ("GET", "/v1/pipelines"): Row("read"),  # what turnout.yaml configures: the same for every tenant
+    ("POST", "/v1/pipelines/{name}/runs"): Row("submit", body=lambda o: {"input": {"n": 1}}),
+    ("GET", "/v1/pipeline-runs"): Row("read"),
+    ("GET", "/v1/pipeline-runs/{run_id}"): Row("read", "run", params=lambda o: {"wait": 0}),
+    ("POST", "/v1/pipeline-runs/{run_id}/cancel"): Row("submit", "run"),
 }  # fmt: skip
+CONFIG = "pipelines:\n  probe:\n    stages:\n      - {capability: count, timeout_s: 30}\n"
 
 # public, and outside the schema: Prometheus text, and the dashboard's HTML shell (its data is /v1/dashboard)
 UNLISTED = (("GET", "/metrics"), ("GET", "/"), ("GET", "/tasks/{task_id}"))
@@ -137,6 +144,14 @@ class Tenants:
         assert resp.status_code == 201, resp.text
         return str(resp.json()["id"])
 
+    def run(self, owner: str) -> str:
+        """A pipeline run of `owner`'s (its first stage queued; no worker here runs it)."""
+        resp = self.call(
+            self.token(f"{owner}-submit"), "POST", "/v1/pipelines/probe/runs", json={"input": {}}
+        )
+        assert resp.status_code == 201, resp.text
+        return str(resp.json()["id"])
+
     def make_token(self, owner: str) -> str:
         resp = self.call(self.cluster.token, "POST", "/v1/tokens", json={"role": "read", "tenant": owner})
         assert resp.status_code == 201, resp.text
@@ -147,6 +162,22 @@ class Tenants:
         resp = self.call(token, "POST", "/v1/workers/register", json=body or REGISTER)
         assert resp.status_code == 201, resp.text
         return resp.json()["id"], resp.json()["secret"]
+
+
+@pytest.fixture(scope="module")
+def shared_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """This module's controller: conftest's, with a pipeline configured, so its routes are called for real."""
+    procs = Processes()
+    tmp = tmp_path_factory.mktemp("access")
+    (tmp / "turnout.yaml").write_text(CONFIG)
+    try:
+        c = Cluster(
+            tmp, procs, f"sqlite:///{tmp / 'turnout.db'}", extra_args=["--config", str(tmp / "turnout.yaml")]
+        )
+        c.start_controller()
+        yield c
+    finally:
+        procs.stop_all()
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +259,8 @@ def test_each_route_answers_each_caller_as_the_contract_says(tenants: Tenants, c
                 url = path.replace("{file_id}", tenants.file(owner))
             elif row.obj == "token":
                 url = path.replace("{token_id}", tenants.make_token(owner))
+            elif row.obj == "run":
+                url = path.replace("{run_id}", tenants.run(owner))
             elif row.obj == "worker":
                 url = path.replace("{worker_id}", tenants.worker(tenants.token(f"{owner}-worker"))[0])
             elif row.obj == "self":
@@ -239,6 +272,8 @@ def test_each_route_answers_each_caller_as_the_contract_says(tenants: Tenants, c
                 url = path.replace("{worker_id}", worker_id).replace("{file_id}", NO_FILE)
             if row.content is not None:
                 headers["Content-Type"] = "application/octet-stream"
+                url = path.replace("{worker_id}", worker_id)
+            url = url.replace("{name}", "probe")
             kwargs: dict[str, Any] = {"headers": headers}
             if row.content is not None:
                 kwargs["content"] = row.content
@@ -453,3 +488,26 @@ def no_auth_controller(tmp_path: Path, processes: Processes) -> Iterator[str]:
 def test_without_auth_the_docs_are_open(no_auth_controller: str) -> None:
     assert httpx.get(f"{no_auth_controller}/openapi.json", timeout=10).status_code == 200
     assert httpx.get(f"{no_auth_controller}/docs", timeout=10).status_code == 200
+
+
+def test_a_tenant_sees_and_cancels_its_own_pipeline_runs_only(tenants: Tenants) -> None:
+    mine, theirs = tenants.run("acme"), tenants.run("globex")
+    reader, submitter = tenants.token("acme-read"), tenants.token("acme-submit")
+    # the dashboard's pipeline panel asks this same route with the user's token: it shows these runs only
+    listed = tenants.call(reader, "GET", "/v1/pipeline-runs", params={"limit": 1000}).json()["pipeline_runs"]
+    assert mine in {r["id"] for r in listed} and theirs not in {r["id"] for r in listed}
+    assert {r["tenant"] for r in listed} == {"acme"}
+    assert tenants.call(reader, "GET", f"/v1/pipeline-runs/{theirs}").status_code == 404
+    refused = tenants.call(submitter, "POST", f"/v1/pipeline-runs/{theirs}/cancel")
+    assert refused.status_code == 404 and refused.json()["error"]["type"] == "not_found"
+    run = tenants.call(tenants.token("globex-read"), "GET", f"/v1/pipeline-runs/{theirs}").json()
+    assert run["state"] == "running" and run["tenant"] == "globex"
+    stage = run["stages"][0]["task_id"]  # its stage task is globex's too: hidden from acme like any task
+    assert tenants.call(reader, "GET", f"/v1/tasks/{stage}").status_code == 404
+    every = tenants.call(tenants.cluster.token, "GET", "/v1/pipeline-runs", params={"limit": 1000}).json()
+    assert {mine, theirs} <= {r["id"] for r in every["pipeline_runs"]}  # the operator sees every tenant
+    cancelled = tenants.call(submitter, "POST", f"/v1/pipeline-runs/{mine}/cancel").json()
+    assert cancelled["state"] == "cancelled"
+    audit = tenants.call(tenants.token("acme-admin"), "GET", "/v1/audit", params={"kind": "task_cancelled"})
+    by = {r["task"]: r["by"] for r in audit.json()["audit"]}
+    assert by[cancelled["stages"][0]["task_id"]] == tenants.tokens["acme-submit"]["id"]

@@ -1,7 +1,7 @@
 """Per-tenant rate limits and GPU quotas from turnout.yaml, on a real controller and worker.
 
 Tenants here: `flood` and `sdk` get the default (5 submissions a second), `calm` a high rate, `quota` at
-most one GPU at a time, `gpurate` two GPU allocations a minute. Tests only check correctness; how well the
+most one GPU at a time, `gpurate` two GPU allocations a minute, `slow` and `piped` one submission in 5 s. Tests only check correctness; how well the
 calm tenant's latency holds up under a flood is measured in bench/bench_tenants.py.
 """
 
@@ -30,6 +30,13 @@ limits:
   quota:   {submit_per_s: 1000, max_gpus: 1}
   gpurate: {submit_per_s: 1000, gpu_allocations_per_min: 2}
   slow:    {submit_per_s: 0.2}
+  piped:   {submit_per_s: 0.2}
+pipelines:
+  triple:
+    stages:
+      - {capability: count, gpu: never}
+      - {capability: count, gpu: never}
+      - {capability: count, gpu: never}
 """
 
 
@@ -45,7 +52,7 @@ def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster,
         c.start_controller()
         c.start_worker(APP, gpus="fake:2x24Gi", name="pool")  # the operator's token: a shared pool
         tokens = {}
-        for tenant in ("flood", "sdk", "calm", "quota", "gpurate", "slow"):
+        for tenant in ("flood", "sdk", "calm", "quota", "gpurate", "slow", "piped"):
             resp = c.api("POST", "/v1/tokens", json={"role": "submit", "tenant": tenant})
             tokens[tenant] = resp.json()["token"]
         yield c, tokens
@@ -174,6 +181,26 @@ def test_gpu_allocations_per_min_refuses_gpu_only_work_and_sends_the_rest_to_the
     assert fallback.status_code == 201
     task = wait_done(c, tokens["gpurate"], fallback.json()["id"])
     assert task["device"] == "cpu" and "gpu_allocations_per_min" in task["routing"]["reason"]
+
+
+def test_a_pipeline_run_is_one_submission_and_its_later_stages_are_not_rate_limited(
+    limited: tuple[Cluster, dict[str, str]],
+) -> None:
+    c, tokens = limited
+    auth = {"Authorization": f"Bearer {tokens['piped']}"}
+    started = httpx.post(
+        f"{c.url}/v1/pipelines/triple/runs", json={"input": {"n": 1}}, headers=auth, timeout=30
+    )
+    assert started.status_code == 201, started.text
+    again = httpx.post(f"{c.url}/v1/pipelines/triple/runs", json={"input": {}}, headers=auth, timeout=30)
+    assert (
+        again.status_code == 429 and "submit_per_s" in again.json()["error"]["message"]
+    )  # the run took the token
+    run = httpx.get(f"{c.url}/v1/pipeline-runs/{started.json()['id']}", params={"wait": 30}, headers=auth,
+                    timeout=60).json()  # fmt: skip
+    # its three stages were queued by the controller, not through the door: none met the empty bucket
+    assert run["state"] == "succeeded" and [s["state"] for s in run["stages"]] == ["succeeded"] * 3
+    assert run["tenant"] == "piped"
 
 
 def test_limits_are_validated_at_startup_naming_the_file_and_the_key(tmp_path: Path) -> None:

@@ -89,7 +89,7 @@ def test_a_database_that_numbered_the_column_6_takes_3_as_a_no_op_and_gains_the_
 
     store = open_store(f"sqlite:///{path}")
     try:
-        assert store.schema_version == MIGRATIONS[-1][0]  # every later migration ran too
+        assert store.schema_version == MIGRATIONS[-1][0]  # and the migrations after 6 (7: pipelines) applied
         task = store.get_task("t_1")
         assert task is not None and task.isolation == ISOLATION
         with store.engine.connect() as conn:
@@ -101,5 +101,38 @@ def test_a_database_that_numbered_the_column_6_takes_3_as_a_no_op_and_gains_the_
                 9,
             }
             assert conn.execute(sa.text("SELECT COUNT(*) FROM capabilities")).scalar() == 0
+    finally:
+        store.close()
+
+
+def test_a_database_of_issue_9s_branch_that_recorded_101_takes_7_as_a_no_op(tmp_path: Path) -> None:
+    """Issue 9's branch numbered its migration 101; merged, it is 7. Such a database keeps its runs and
+    profiles, gains 5 and 6, and finds 7 adds nothing: it adds only what is missing."""
+    from turnout.store.runs import RunStore
+
+    path = tmp_path / "issue-9-branch.sqlite"
+    store = open_store(f"sqlite:///{path}")
+    RunStore(store).record_profile("cap", "cpu", None, run_s=1.5, cold_start_s=None, peak_gpu_memory_bytes=None,
+                                   peak_rss_bytes=None, now=1.0)  # fmt: skip
+    store.close()
+    engine = sa.create_engine(f"sqlite:///{path}")
+    with engine.begin() as conn:  # as that branch left it: 1 to 4, and 101
+        conn.execute(sa.text("DELETE FROM schema_migrations WHERE version > 4"))
+        conn.execute(
+            sa.text("INSERT INTO schema_migrations (version, name, applied_at) VALUES (101, 'x', 1.0)")
+        )
+    engine.dispose()
+
+    store = open_store(f"sqlite:///{path}")
+    try:
+        assert store.schema_version == MIGRATIONS[-1][0]  # 9 since issue 11's sweeps (8) and files (9)
+        assert [p.run_s for p in RunStore(store).profiles()] == [1.5]
+        with store.engine.connect() as conn:
+            assert {r[0] for r in conn.execute(sa.text("SELECT version FROM schema_migrations"))} >= {
+                5,
+                6,
+                7,
+                101,
+            }
     finally:
         store.close()

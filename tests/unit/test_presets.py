@@ -237,3 +237,12 @@ def test_a_sandboxed_preset_where_no_sandbox_can_start_fails_its_tasks_instead_o
     assert not outcome.succeeded
     assert outcome.error["type"] == "sandbox_unavailable"
     assert "no bubblewrap here (test)" in outcome.error["message"]
+
+
+def test_a_session_preset_caps_its_pool_with_max_processes_and_one_off_refuses_it() -> None:
+    session = {"models": {"m": {"inference": {"command": ["x"], "mode": "session", "max_processes": 2}}}}
+    assert parse_presets(session)[0].max_processes == 2
+    one_off = {"models": {"m": {"inference": {"command": ["x"], "max_processes": 2}}}}
+    with pytest.raises(InvalidInput) as info:
+        parse_presets(one_off)
+    assert info.value.field == "models.m.inference.max_processes"

@@ -23,9 +23,10 @@ from turnout.access import (
     sees,
     worker_serves,
 )
-from turnout.api import dashboard, errors, files, lifeline
+from turnout.api import dashboard, errors, files, lifeline, pipelines
 from turnout.api import metrics as prometheus
 from turnout.api.limits import BodyLimit
+from turnout.api.pipelines import profile_view
 from turnout.api.schemas import (
     EVENTS_BODY,
     MAX_INT32,
@@ -48,6 +49,7 @@ from turnout.auth import WorkerCredential
 from turnout.auth import check as check_worker
 from turnout.controller import AUDIT_KINDS, new_id
 from turnout.errors import Forbidden, InvalidInput, NotFound
+from turnout.escalation import Escalator
 from turnout.models import Completion, Device, Task, TaskState, Variant, check_capability_name
 from turnout.resources import parse_resources
 
@@ -56,9 +58,14 @@ def create_app(service: Service) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await service.start()
+        escalator = Escalator(service) if service.controller.settings.escalation else None  # escalation.py
+        if escalator:
+            await escalator.start()
         try:
             yield
         finally:
+            if escalator:
+                await escalator.stop()
             await service.stop()
 
     # the API docs are served below, behind a token (they describe every route, worker protocol included)
@@ -268,12 +275,14 @@ def create_app(service: Service) -> FastAPI:
                 var["workers"].append({"id": w.id, "name": w.name, "state": w.state.value})
         for name in depths:
             caps.setdefault(name, {"name": name, "variants": {}})
+        learned = await service.read(ctrl.runs.store.profiles)
         out = []
         for name in sorted(caps):
             entry = caps[name]
             d = depths.get(name, {})
             out.append({"name": name, "variants": list(entry["variants"].values()),
-                        "queue_depth": d.get("queued", 0), "running": d.get("leased", 0) + d.get("running", 0)})  # fmt: skip
+                        "queue_depth": d.get("queued", 0), "running": d.get("leased", 0) + d.get("running", 0),
+                        **profile_view(name, entry["variants"], learned)})  # fmt: skip
         return {"capabilities": out}
 
     @app.get("/v1/workers")
@@ -312,7 +321,11 @@ def create_app(service: Service) -> FastAPI:
             check_capability_name(v.capability, f"variants.{i}.capability")
             variants.append(
                 Variant(
-                    v.capability, Device(v.device), parse_resources(v.resources, f"variants.{i}.resources")
+                    v.capability,
+                    Device(v.device),
+                    parse_resources(v.resources, f"variants.{i}.resources"),
+                    v.max_batch_size,
+                    v.max_batch_wait_ms,
                 )
             )
 
@@ -367,7 +380,7 @@ def create_app(service: Service) -> FastAPI:
                         {"id": le.task.id, "attempt": le.task.attempts, "capability": le.task.spec.capability,
                          "device": le.device.value, "input": le.task.spec.input, "resources": le.resources.to_dict(),
                          "gpus": le.grant, "timeout_s": le.task.spec.timeout_s, "labels": le.task.spec.labels,
-                         "tenant": le.task.tenant, "routing": le.task.routing}
+                         "tenant": le.task.tenant, "routing": le.task.routing, "batch": le.batch}
                         for le in result.leases
                     ],
                     "cancel": result.cancel,
@@ -375,7 +388,10 @@ def create_app(service: Service) -> FastAPI:
             # a full worker waits for its own capacity (or a cancel, a timeout, a fleet change), not for every new
             # task: under a flood of submissions that would re-run its lease for nothing, hundreds of times a second
             wake = [stops, capacity] if result.full else [queue, capacity]
-            await Signal.wait_any([*wake, service.closing], min(left, service.recheck_s))
+            # a batch still filling is leased once full or its wait is over: ask again by then (retry_in_s)
+            await Signal.wait_any(
+                [*wake, service.closing], min(left, service.recheck_s, result.retry_in_s or service.recheck_s)
+            )
 
     @app.post("/v1/workers/{worker_id}/complete")
     async def complete(
@@ -391,15 +407,19 @@ def create_app(service: Service) -> FastAPI:
                 r.run_s,
                 r.started_at,
                 r.isolation,
+                r.cold_start_s,
+                r.usage.model_dump(exclude_none=True) if r.usage else None,
             )
             for r in body.results
         ]
-        accepted, refused = await service.call(ctrl.complete, worker_id, completions)
+        accepted, refused, stages = await service.call(
+            lambda: (*ctrl.complete(worker_id, completions), ctrl.runs.take_queued())
+        )
         if accepted:
             service.worker_signal(worker_id).notify()  # its capacity is free again; other workers' is not
             service.tasks_changed.notify()
-            if any(not c.succeeded for c in completions):
-                service.queue_changed.notify()  # a retryable failure went back to the queue, for anyone
+            if stages or any(not c.succeeded for c in completions):
+                service.queue_changed.notify()  # a retry or a pipeline's next stage is queued, for anyone
         return {"accepted": accepted, "refused": refused}
 
     @app.post("/v1/workers/{worker_id}/scrubs")
@@ -485,6 +505,7 @@ def create_app(service: Service) -> FastAPI:
     app.include_router(prometheus.router(service, metrics))
     app.include_router(lifeline.router(service, this_worker()))  # held by the worker itself, as it heartbeats
     dashboard.install(app, service, need, scope, visible_workers)
+    pipelines.install(app, service, need, scope)  # pipeline runs (api/pipelines.py)
     files.install(app, service, need, scope, this_worker())  # /v1/files (api/files.py)
 
     return app

@@ -86,6 +86,7 @@ class StateCollector(Collector):
         yield active
         yield age
         yield from _gpu_metrics([(v.name, g) for v in views for g in v.gpus])
+        yield from _run_metrics(self.ctrl)
         yield CounterMetricFamily(
             "turnout_lease_expiries",
             "Tasks taken back from workers that died: silent for three heartbeats or their connection gone "
@@ -147,6 +148,20 @@ def _task_metrics(stats: list[dict[str, Any]]) -> Iterator[Metric]:
             pairs = [(_le(b), float(c)) for b, c in zip(RUN_S_BUCKETS, buckets, strict=True)]
             hist.add_metric([cap, device], [*pairs, ("+Inf", float(n))], sum_value=total)
     yield from (depth, running, finished, cost, hist)
+
+
+def _run_metrics(ctrl: Controller) -> Iterator[Metric]:
+    """Cost per capability and tenant, and pipeline runs by state: read from the store, like the task series."""
+    cost = CounterMetricFamily("turnout_tenant_cost_usd", "Cost of tasks in USD, by capability and tenant.",
+                               labels=["capability", "tenant"])  # fmt: skip
+    for capability, tenant, usd in ctrl.runs.store.cost_by_tenant():
+        cost.add_metric([capability, tenant], usd)
+    runs = GaugeMetricFamily(
+        "turnout_pipeline_runs", "Pipeline runs by pipeline and state.", labels=["pipeline", "state"]
+    )
+    for pipeline, state, n in ctrl.runs.store.run_counts():
+        runs.add_metric([pipeline, state], n)
+    yield from (cost, runs)
 
 
 def _gpu_metrics(gpus: list[tuple[str, GpuView]]) -> Iterator[Metric]:

@@ -125,6 +125,8 @@ class VariantIn(Strict):
     capability: str
     device: Literal["cpu", "gpu"]
     resources: dict[str, Any] = Field(default_factory=dict)
+    max_batch_size: int = Field(1, ge=1, le=4096)
+    max_batch_wait_ms: float = Field(0.0, ge=0, le=600_000)
 
 
 class _Facts(BaseModel):
@@ -226,6 +228,16 @@ class ResultIn(Strict):
     # what held and confined the process that ran it: containment's {"process_group", "pdeathsig", "pid_namespace",
     # "cgroup"} (containment.py) and, for a sandboxed command, the sandbox's {"sandbox", "network", ...} (sandbox.py)
     isolation: dict[str, Any] | None = Field(None, max_length=32)
+    cold_start_s: float | None = Field(None, ge=0, le=MAX_RUN_S)  # process start and setup it waited for
+    usage: UsageIn | None = None
+
+
+class UsageIn(Strict):
+    """What a task used, measured by its worker: for profiles (`gpu: auto`, learned gpu_memory) and cost shares."""
+
+    peak_rss_bytes: int | None = Field(None, ge=0, le=MAX_INT)
+    peak_gpu_memory_bytes: int | None = Field(None, ge=0, le=MAX_INT)
+    batch_size: int | None = Field(None, ge=1, le=100_000)
 
 
 class CompleteIn(Strict):
@@ -298,14 +310,24 @@ def task_out(t: Task) -> dict[str, Any]:
     return {
         "id": t.id, "tenant": t.tenant, "capability": t.spec.capability, "state": t.state.value,
         "input": t.spec.input, "output": t.output, "error": t.error,
-        "device": t.device.value if t.device else None, "gpu_model": t.gpu_model, "worker": t.worker_id,
+        "device": device_of(t), "gpu_model": t.gpu_model, "worker": t.worker_id,
         "gpus": gpus, "attempts": t.attempts, "routing": _public_routing(t.routing), "isolation": t.isolation, "gpu": t.spec.gpu.value,
         "priority": t.spec.priority, "labels": t.spec.labels, "timeout_s": t.spec.timeout_s,
         "max_retries": t.spec.max_retries, "idempotency_key": t.spec.idempotency_key,
         "queue_s": round(queue_s, 6) if queue_s is not None else None,
         "run_s": round(t.run_s, 6) if t.run_s is not None else None, "cost_usd": t.cost_usd,
+        "cold_start_s": round(t.cold_start_s, 6) if t.cold_start_s is not None else None,
+        "batch_size": (t.usage or {}).get("batch_size"), "pipeline_run_id": t.pipeline_run_id,
         "created_at": iso(t.created_at), "started_at": iso(started), "finished_at": iso(finished),
     }  # fmt: skip
+
+
+def device_of(t: Task) -> str | None:
+    """`cpu`, `gpu`, or `cloud:NAME` for a task an escalation endpoint ran."""
+    cloud = (t.routing or {}).get("cloud")
+    if cloud:
+        return f"cloud:{cloud}"
+    return t.device.value if t.device else None
 
 
 def _public_routing(routing: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -327,7 +349,7 @@ def worker_out(w: Worker, active: int = 0) -> dict[str, Any]:
         "capabilities": sorted({v.capability for v in w.variants}),
         "variants": [v.to_dict() for v in w.variants],
         "resources": {"cpu": w.cpu, "memory": w.memory_bytes, "gpus": len(w.gpus)},
-        "gpus": gpus, "strategy": w.strategy, "active_tasks": active,
+        "gpus": gpus, "strategy": w.strategy, "active_tasks": active, "pools": metrics.get("pools") or {},
         "registered_at": iso(w.registered_at), "last_heartbeat": iso(w.last_heartbeat), "heartbeat_s": w.heartbeat_s,
     }  # fmt: skip
 

@@ -260,8 +260,11 @@ class Service:
 
     def admit(self, tenant: str, specs: list[TaskSpec]) -> None:
         """Rate limits at the door, before the database: see `tenancy.admit_submission`."""
-        gpu_only = sum(1 for s in specs if s.gpu is GpuMode.REQUIRE)
-        admit_submission(self.submissions, self.gpu_submissions, tenant, len(specs), gpu_only)
+        self.admit_counts(tenant, len(specs), sum(1 for s in specs if s.gpu is GpuMode.REQUIRE))
+
+    def admit_counts(self, tenant: str, n: int, n_gpu_only: int) -> None:
+        """`admit` for n submissions that are not (yet) task specs: a pipeline run counts as one."""
+        admit_submission(self.submissions, self.gpu_submissions, tenant, n, n_gpu_only)
 
     # ---- wake-ups ------------------------------------------------------------------------------
 

@@ -57,6 +57,17 @@ def _tenancy(conn: sa.Connection) -> None:
     conn.execute(sa.text("UPDATE tokens SET tenant = '*' WHERE role = 'admin' AND tenant = 'default'"))
 
 
+def _pipelines_costs_profiles(conn: sa.Connection) -> None:
+    have = {c["name"] for c in sa.inspect(conn).get_columns("tasks")}
+    for col in ("cold_start_s", "usage"):
+        if col not in have:  # a database made by `_initial` from today's schema has them already
+            kind = schema.tasks.c[col].type.compile(dialect=conn.dialect)
+            conn.execute(sa.text(f"ALTER TABLE tasks ADD COLUMN {col} {kind}"))
+    schema.pipeline_runs.create(conn, checkfirst=True)
+    schema.profiles.create(conn, checkfirst=True)
+    schema.pipeline_run_index.create(conn, checkfirst=True)
+
+
 def _sweeps(conn: sa.Connection) -> None:
     schema.sweeps.create(conn, checkfirst=True)
 
@@ -74,7 +85,10 @@ MIGRATIONS: list[Migration] = [
     # The sandbox work (issue 10) first numbered the same column 6: here it adds the column only where it is
     # missing, so it is a no-op after 3, and a database that recorded 6 first finds 3 a no-op in turn.
     (6, "tasks.isolation under its first number: a no-op where migration 3 ran", _task_isolation),
-    # 7 is issue 9's. Issue 11 first numbered these 5 and 6; both are create(checkfirst=True), so they are
+    # Issue 9's branch numbered this 101, apart from the others' next entries; nothing released used 101. It adds
+    # only what is missing, so a database that recorded 101 on that branch finds 7 a no-op.
+    (7, "pipeline runs, tasks.cold_start_s and usage, profiles", _pipelines_costs_profiles),
+    # Issue 11 first numbered these 5 and 6; both are create(checkfirst=True), so they are
     # no-ops where the tables exist already.
     (8, "sweeps: which replica ran each periodic sweep last", _sweeps),
     (9, "files: task inputs and outputs", _files),

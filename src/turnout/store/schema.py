@@ -47,6 +47,8 @@ tasks = sa.Table(
     sa.Column("cost_usd", sa.Float),
     sa.Column("unservable_since", sa.Float),
     sa.Column("pipeline_run_id", sa.String(40)),
+    sa.Column("cold_start_s", sa.Float),  # process start and setup this task paid for
+    sa.Column("usage", Json),  # peak_rss_bytes, peak_gpu_memory_bytes, batch_size
     sa.Index("ix_tasks_queue", "state", "capability", "priority", "created_at"),
     sa.Index("ix_tasks_worker", "worker_id", "state"),
     sa.Index("ix_tasks_tenant", "tenant", "id"),
@@ -67,6 +69,9 @@ queue_by_tenant = sa.Index(
     tasks.c.created_at,
     tasks.c.id,
 )
+
+# a run's tasks, found from the run
+pipeline_run_index = sa.Index("ix_tasks_pipeline_run", tasks.c.pipeline_run_id)
 
 workers = sa.Table(
     "workers",
@@ -161,6 +166,42 @@ sweeps = sa.Table(
     sa.Column("name", sa.String(64), primary_key=True),
     sa.Column("holder", sa.String(64), nullable=False),
     sa.Column("swept_at", sa.Float, nullable=False),
+)
+
+# a pipeline run: its stages as they were when it started (a config change never alters a run in flight), and
+# the task of each stage started so far, in order
+pipeline_runs = sa.Table(
+    "pipeline_runs",
+    metadata,
+    sa.Column("id", sa.String(40), primary_key=True),
+    sa.Column("tenant", sa.String(64), nullable=False),
+    sa.Column("pipeline", sa.String(64), nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("input", Json),
+    sa.Column("gpu_mode", sa.String(16)),
+    sa.Column("stages", Json, nullable=False),
+    sa.Column("task_ids", Json, nullable=False),
+    sa.Column("output", Json),
+    sa.Column("error", Json),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("finished_at", sa.Float),
+    sa.Index("ix_pipeline_runs_state", "state"),
+    sa.Index("ix_pipeline_runs_tenant", "tenant", "id"),
+)
+
+# what finished tasks taught about each (capability, device class, GPU model): `auto` routes on it
+profiles = sa.Table(
+    "profiles",
+    metadata,
+    sa.Column("capability", sa.String(64), primary_key=True),
+    sa.Column("device", sa.String(8), primary_key=True),
+    sa.Column("gpu_model", sa.String(128), primary_key=True),  # "" for the CPU
+    sa.Column("samples", sa.Integer, nullable=False),
+    sa.Column("run_s", sa.Float, nullable=False),  # moving average
+    sa.Column("cold_start_s", sa.Float),  # moving average over tasks that paid one
+    sa.Column("peak_gpu_memory_bytes", sa.BigInteger),
+    sa.Column("peak_rss_bytes", sa.BigInteger),
+    sa.Column("updated_at", sa.Float, nullable=False),
 )
 
 schema_migrations = sa.Table(

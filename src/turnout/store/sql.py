@@ -302,12 +302,22 @@ class SqlStore:
             return {tenant: int(n) for tenant, n in conn.execute(query)}
 
     def gpu_use_by_tenant(self) -> dict[str, float]:
-        """GPUs each tenant holds now (leased or running tasks; a share counts its fraction)."""
-        query = sa.select(T.c.tenant, T.c.alloc).where(T.c.state.in_(_ACTIVE), T.c.gpus.is_not(None))
+        """GPUs each tenant holds now (leased or running tasks; a share counts its fraction). A batch's tasks
+        share their leader's grant (batching.py): it counts once, however many ride on it. A task an
+        escalation endpoint holds (worker `cloud:NAME`) counts one GPU."""
+        held = sa.or_(T.c.gpus.is_not(None), T.c.worker_id.like("cloud:%"))
+        query = sa.select(T.c.id, T.c.tenant, T.c.alloc).where(T.c.state.in_(_ACTIVE), held)
         out: dict[str, float] = {}
         with self._read() as conn:
-            for tenant, alloc in conn.execute(query):
-                out[tenant] = out.get(tenant, 0.0) + float((alloc or {}).get("gpu_share", 1.0))
+            rows = conn.execute(query).all()
+        counted: set[str] = set()
+        for _id, tenant, alloc in rows:
+            batch = (alloc or {}).get("batch")
+            if batch is not None:
+                if batch in counted:
+                    continue
+                counted.add(batch)
+            out[tenant] = out.get(tenant, 0.0) + float((alloc or {}).get("gpu_share", 1.0))
         return out
 
     def _capabilities_queued(self) -> list[Any]:
@@ -700,7 +710,7 @@ def _task_row(t: Task) -> dict[str, Any]:
         "queued_at": t.queued_at, "leased_at": t.leased_at, "started_at": t.started_at,
         "finished_at": t.finished_at, "run_s": t.run_s, "cost_usd": t.cost_usd,
         "unservable_since": t.unservable_since, "pipeline_run_id": t.pipeline_run_id, "alloc": t.alloc,
-        "isolation": t.isolation,
+        "isolation": t.isolation, "cold_start_s": t.cold_start_s, "usage": t.usage,
     }  # fmt: skip
 
 
@@ -718,7 +728,7 @@ def _task(r: Any) -> Task:
         device=Device(r.device) if r.device else None, gpus=r.gpus, gpu_model=r.gpu_model, routing=r.routing,
         queued_at=r.queued_at, leased_at=r.leased_at, started_at=r.started_at, finished_at=r.finished_at,
         run_s=r.run_s, cost_usd=r.cost_usd, unservable_since=r.unservable_since, pipeline_run_id=r.pipeline_run_id,
-        alloc=r.alloc, isolation=r.isolation,
+        alloc=r.alloc, isolation=r.isolation, cold_start_s=r.cold_start_s, usage=r.usage,
     )  # fmt: skip
 
 
@@ -731,10 +741,13 @@ def _worker_row(w: Worker) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _variant(v: dict[str, Any]) -> Variant:
+    batch = (int(v.get("max_batch_size", 1)), float(v.get("max_batch_wait_ms", 0.0)))
+    return Variant(v["capability"], Device(v["device"]), parse_resources(v["resources"]), *batch)
+
+
 def _worker(r: Any) -> Worker:
-    variants = tuple(
-        Variant(v["capability"], Device(v["device"]), parse_resources(v["resources"])) for v in r.variants
-    )
+    variants = tuple(_variant(v) for v in r.variants)
     return Worker(
         id=r.id, name=r.name, host=r.host, state=WorkerState(r.state), variants=variants, cpu=r.cpu,
         memory_bytes=r.memory_bytes, gpus=tuple(r.gpus), strategy=r.strategy, registered_at=r.registered_at,

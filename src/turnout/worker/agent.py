@@ -20,7 +20,7 @@ import sys
 import time
 import weakref
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ from turnout.models import Device, Variant
 from turnout.tls import async_client
 from turnout.worker.app import HandlerVariant, WorkerApplication
 from turnout.worker.delivery import Refusal, Replace, deliver
-from turnout.worker.files import TaskFileError, WorkerFiles
+from turnout.worker.files import TaskFileError, TaskFiles, WorkerFiles
 from turnout.worker.gpuwatch import GpuWatch, SharedTask, memory_over_limit, process_tree
 from turnout.worker.processes import Outcome, ProcessPool, ProtocolProcess
 from turnout.worker.reports import (
@@ -85,18 +85,20 @@ class ScrubFailed(Exception):
 
 @dataclass
 class Runnable:
-    """A variant this worker runs: its pool of processes and how one task's line is written."""
+    """A variant this worker runs: its pool of processes and how one task's (or one batch's) line is written."""
 
     variant: Variant
     pool: ProcessPool
     task_line: Callable[[dict[str, Any]], str]
+    batch_line: Callable[[list[dict[str, Any]]], str] | None = None  # variants with max_batch_size > 1
 
 
 def python_runnables(app_ref: str, app: WorkerApplication, base_env: dict[str, str]) -> list[Runnable]:
     """Warm `turnout.worker.runner` pools for each variant of a Python app."""
     out = []
     for hv in app.variants.values():
-        out.append(Runnable(hv.variant, _python_pool(app_ref, hv, base_env), _wrapped_line))
+        batch = _batch_line if hv.variant.max_batch_size > 1 else None
+        out.append(Runnable(hv.variant, _python_pool(app_ref, hv, base_env), _wrapped_line, batch))
     return out
 
 
@@ -112,13 +114,60 @@ def _python_pool(app_ref: str, hv: HandlerVariant, base_env: dict[str, str]) -> 
         ]
         return ProtocolProcess(argv, {**base_env, **gpu_env(key)}, lifeline_arg=True)
 
-    return ProcessPool(factory, min_processes=hv.pool.min_processes, idle_timeout_s=hv.pool.idle_timeout_s)
+    return ProcessPool(factory, min_processes=hv.pool.min_processes, idle_timeout_s=hv.pool.idle_timeout_s,
+                       max_processes=hv.pool.max_processes)  # fmt: skip
 
 
 def _wrapped_line(lease: dict[str, Any]) -> str:
-    return json.dumps({"task_id": lease["id"], "attempt": lease["attempt"], "input": lease["input"],
-                       "gpus": list((lease.get("gpus") or {}).get("uuids", [])),
-                       "files": lease.get("files") or {}, "output_dir": lease.get("output_dir")})  # fmt: skip
+    return json.dumps(_envelope(lease))
+
+
+def _envelope(lease: dict[str, Any]) -> dict[str, Any]:
+    return {"task_id": lease["id"], "attempt": lease["attempt"], "input": lease["input"],
+            "gpus": list((lease.get("gpus") or {}).get("uuids", [])),
+            "files": lease.get("files") or {}, "output_dir": lease.get("output_dir")}  # fmt: skip
+
+
+def _batch_line(leases: list[dict[str, Any]]) -> str:
+    return json.dumps({"batch": [_envelope(lease) for lease in leases]})
+
+
+def _split_cold_start(outcome: Outcome, fresh: bool, asked_at: float) -> tuple[float | None, Outcome]:
+    """(cold_start_s, outcome with run_s less the setup it waited for). A task that met a fresh process pays
+    the start and setup it waited for (a prewarmed one that was ready in time costs it nothing)."""
+    if not fresh:
+        return 0.0, outcome
+    ready = outcome.ready_at if outcome.ready_at is not None else outcome.started_at
+    cold = max(0.0, ready - asked_at)
+    finished = outcome.started_at + outcome.run_s
+    run_s = max(0.0, finished - max(outcome.started_at, ready))
+    return cold, replace(outcome, run_s=run_s)
+
+
+def _groups(leases: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The lease answer's tasks as the jobs to run: one per task, one per batch. The controller batches only
+    one tenant's tasks; the tenant is part of the key here too, so two tenants' inputs never meet in one
+    handler call (nor one warm process's memory) even if a lease answer said otherwise."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for lease in leases:
+        groups.setdefault((str(lease.get("tenant")), lease.get("batch") or lease["id"]), []).append(lease)
+    return list(groups.values())
+
+
+def _per_task(outcome: Outcome, n: int, batched: bool) -> list[Outcome]:
+    """Each task's own outcome: a batch's list of outputs is split in order; a batch that failed fails each task."""
+    if not batched:
+        return [outcome] * n
+    if not outcome.succeeded:
+        return [outcome] * n
+    outputs = outcome.output
+    if not isinstance(outputs, list) or len(outputs) != n:
+        got = f"{len(outputs)} outputs" if isinstance(outputs, list) else type(outputs).__name__
+        error = invalid_output(
+            "output", f"a batched handler must return a list of {n} outputs, one per input; got {got}"
+        )
+        return [Outcome(False, error=error)] * n
+    return [Outcome(True, output=o) for o in outputs]
 
 
 def jittered(delay_s: float) -> float:
@@ -157,9 +206,6 @@ class Agent:
             canary_backoff_s=settings.canary_backoff_s,
         )
         self._shared: dict[str, SharedTask] = {}  # running tasks that hold a share of a GPU's memory
-        self._isolation: dict[
-            str, Any
-        ] = {}  # task id -> what holds its started process, however its run ends
         self._stop_reason: dict[str, dict[str, Any]] = {}  # why the worker itself stopped a task
         headers = {"Authorization": f"Bearer {settings.token}"} if settings.token else {}
         self.http = async_client(base_url=settings.controller_url.rstrip("/"), headers=headers,
@@ -185,6 +231,8 @@ class Agent:
         self._scrubs_lock = asyncio.Lock()
         # a warm process serves one tenant only: what a task left in its memory stays with its tenant
         self._proc_tenant: weakref.WeakKeyDictionary[ProtocolProcess, str] = weakref.WeakKeyDictionary()
+        self._batch_of: dict[str, frozenset[str]] = {}  # task id -> the ids of the batch it runs in
+        self._unwanted: set[str] = set()  # batch members the controller asked us to stop
 
     def offered(self, runnables: list[Runnable]) -> list[Runnable]:
         """The variants this host's hardware can run: GPU variants only where some GPU could ever fit them."""
@@ -242,8 +290,7 @@ class Agent:
     async def register(self) -> None:
         body = {
             "name": self.settings.name, "host": socket.gethostname(),
-            "variants": [{"capability": r.variant.capability, "device": r.variant.device.value,
-                          "resources": r.variant.resources.to_dict()} for r in self.runnables.values()],
+            "variants": [r.variant.to_dict() for r in self.runnables.values()],
             "cpu": self.settings.cpus or float(os.cpu_count() or 1),
             "memory": self.settings.memory_bytes or int(psutil.virtual_memory().total),
             "gpus": [d.to_dict() for d in self.devices], "strategy": self.settings.strategy,
@@ -306,7 +353,14 @@ class Agent:
             "cpu_pct": psutil.cpu_percent(),
             "running": len(self.running),
             "ts": time.time(),
+            "pools": self.pools(),
         }
+
+    def pools(self) -> dict[str, dict[str, int]]:
+        """Per variant (`capability:device`): idle warm processes, live ones (model loaded, busy or idle), all
+        (starting too), and starts so far. The controller prefers a worker with the variant's model loaded."""
+        return {key: {"warm": r.pool.warm(), "loaded": r.pool.loaded(), "size": r.pool.size,
+                      "started": r.pool.started_total} for key, r in self.runnables.items()}  # fmt: skip
 
     def _enforce_memory_limits(self) -> None:
         """Stop each task measured above its share of GPU memory, with `gpu_memory_exceeded`."""
@@ -357,15 +411,140 @@ class Agent:
             body = resp.json()
             for task_id in body.get("cancel", []):
                 running = self.running.get(task_id)
-                if running is not None:
-                    log.info("stopping task %s: the controller no longer assigns it here", task_id)
-                    running.cancel()
-            for lease in body.get("tasks", []):
-                self.running[lease["id"]] = asyncio.create_task(self._execute(lease))
+                if running is None:
+                    continue
+                batch = self._batch_of.get(task_id)
+                if batch is not None:  # one process runs the batch: stop it only once no task in it is wanted
+                    self._unwanted.add(task_id)
+                    if not batch <= self._unwanted:
+                        continue
+                    self._unwanted -= batch
+                log.info("stopping task %s: the controller no longer assigns it here", task_id)
+                running.cancel()
+            for group in _groups(body.get("tasks", [])):
+                job = asyncio.create_task(self._execute(group))
+                members = frozenset(lease["id"] for lease in group)
+                for lease in group:
+                    self.running[lease["id"]] = job
+                    if len(group) > 1:
+                        self._batch_of[lease["id"]] = members
 
-    async def _execute(self, lease: dict[str, Any]) -> None:
-        task_id, attempt = lease["id"], lease["attempt"]
-        runnable = self.runnables.get(f"{lease['capability']}:{lease['device']}")
+    async def _execute(self, leases: list[dict[str, Any]]) -> None:
+        """Run one task, or one batch of tasks the controller leased together (same variant, same GPUs).
+
+        A batch goes to one process as one line; the handler gets a list of inputs and returns a list of
+        outputs, in order. Each task keeps its own events (an event naming an `item` goes to that task's
+        stream, any other to every task's), its own result, and its share of the run and cold-start seconds.
+        """
+        first = leases[0]
+        ids = [lease["id"] for lease in leases]
+        runnable = self.runnables.get(f"{first['capability']}:{first['device']}")
+        batched = runnable is not None and runnable.batch_line is not None and first.get("batch") is not None
+        sinks = [self._sink_for(lease["id"], lease["attempt"]) for lease in leases]
+
+        def sink(event: dict[str, Any]) -> None:
+            item = event.get("item") if batched else None
+            if isinstance(item, int) and not isinstance(item, bool) and 0 <= item < len(sinks):
+                sinks[item]({k: v for k, v in event.items() if k != "item"})
+            else:
+                for each in sinks:
+                    each(event)
+
+        cold_start_s: float | None = None
+        isolation: dict[str, Any] | None = None
+        files: list[TaskFiles] = []  # each task's scratch, input copies and output directory
+        try:
+            if runnable is None:
+                outcome = Outcome(False, error={"type": "not_served",
+                                                "message": f"{first['capability']} on {first['device']} is not served here"})  # fmt: skip
+            else:
+                for (
+                    lease
+                ) in leases:  # a batch with one missing input fails whole: its handler takes every input
+                    files.append(await self.files.prepare(lease))
+                leases_with_files = [{**lease, "files": f.inputs, "output_dir": str(f.output_dir)}
+                                     for lease, f in zip(leases, files, strict=True)]  # fmt: skip
+                key = grant_key(first.get("gpus"))
+                tenant = str(first.get("tenant") or "default")  # a batch is one tenant's (see `_groups`)
+                await self._hand_over(first["id"], first.get("gpus") or {}, tenant)
+                # a cold start is the process's start and setup, not the scrub before it
+                asked_at = time.time()
+                env = files[0].env() if len(files) == 1 else None  # a command started for this one task
+                proc = await self._acquire(runnable, key, first["id"], tenant, env=env)
+                fresh = proc.tasks_served == 0
+                reusable = False
+                grant = first.get("gpus") or {}
+                if grant and not grant.get("exclusive") and proc.pid:
+                    self._shared[first["id"]] = SharedTask(first["id"], proc.pid, tuple(grant.get("uuids", [])),
+                                                           int(grant.get("memory_bytes", 0)))  # fmt: skip
+                if proc.pid is not None:  # it started: what holds it is known, however its run ends
+                    isolation = proc.isolation
+                try:
+                    line = (
+                        runnable.batch_line(leases_with_files)
+                        if batched and runnable.batch_line
+                        else runnable.task_line(leases_with_files[0])
+                    )
+                    outcome = await proc.run(line, sink, first.get("timeout_s"))
+                    # a failure the program reported itself leaves it warm; a timeout or a crash does not
+                    reusable = proc.alive and (outcome.error or {}).get("type") not in PROCESS_FAULTS
+                finally:
+                    self._shared.pop(first["id"], None)
+                    runnable.pool.release(proc, key, reusable)
+                cold_start_s, outcome = _split_cold_start(outcome, fresh, asked_at)
+        except asyncio.CancelledError:
+            reasons = [self._stop_reason.pop(tid, None) for tid in ids]
+            for lease in leases:
+                self.running.pop(lease["id"], None)
+                self._batch_of.pop(lease["id"], None)
+            if all(r is None for r in reasons):
+                for lease in leases:
+                    self._event_failures.pop((lease["id"], lease["attempt"]), None)
+                await self._clean(files)
+                return  # the controller asked us to stop: it already knows
+            error = next(r for r in reasons if r is not None)
+            outcome = Outcome(False, error=error)
+        except (ScrubFailed, TaskFileError) as exc:
+            outcome = Outcome(False, error=exc.error)
+        except Exception as exc:
+            log.exception("task %s could not run", first["id"])
+            outcome = Outcome(
+                False, error={"type": "worker_error", "message": f"{type(exc).__name__}: {exc}"}
+            )
+        results = _per_task(outcome, len(leases), batched)
+        for i, (lease, result) in enumerate(zip(leases, results, strict=True)):
+            if result.succeeded and i < len(files):  # what it left in its output directory goes back as files
+                try:
+                    results[i] = replace(
+                        result, output=await self.files.collect(files[i], lease, result.output)
+                    )
+                except TaskFileError as exc:
+                    results[i] = Outcome(False, error=exc.error)
+        await self._clean(files)
+        for lease, result in zip(leases, results, strict=True):
+            self.running.pop(lease["id"], None)
+            self._batch_of.pop(lease["id"], None)
+            usage = {k: v for k, v in (("peak_rss_bytes", outcome.peak_rss_bytes),
+                                      ("peak_gpu_memory_bytes", outcome.peak_gpu_memory_bytes),
+                                      ("batch_size", len(leases) if batched else None)) if v is not None}  # fmt: skip
+            share = len(leases)
+            completion = {
+                "task_id": lease["id"], "attempt": lease["attempt"], "status": "succeeded" if result.succeeded else "failed",
+                "output": result.output, "error": result.error, "run_s": outcome.run_s / share,
+                "started_at": outcome.started_at,
+                "isolation": outcome.isolation or isolation,  # what held and confined its process
+                "cold_start_s": None if cold_start_s is None else cold_start_s / share, "usage": usage or None,
+            }  # fmt: skip
+            self._completions.append(checked_completion(completion))
+        self._completions_ready.set()
+
+    async def _clean(self, files: list[TaskFiles]) -> None:
+        """Remove the tasks' scratch and output directories (the common case: two rmdir calls, no thread)."""
+        for f in files:
+            if not self.files.remove_if_empty(f):
+                await asyncio.get_running_loop().run_in_executor(None, self.files.cleanup, f)
+
+    def _sink_for(self, task_id: str, attempt: int) -> Callable[[dict[str, Any]], None]:
         emitted = 0
 
         def sink(event: dict[str, Any]) -> None:
@@ -378,81 +557,7 @@ class Agent:
             self._events.append({"task_id": task_id, "attempt": attempt, "event": event})
             self._events_ready.set()
 
-        try:
-            if runnable is None:
-                outcome = Outcome(
-                    False,
-                    error={
-                        "type": "not_served",
-                        "message": f"{lease['capability']} on {lease['device']} is not served here",
-                    },
-                )
-            else:
-                outcome = await self._run_with_files(runnable, lease, sink)
-        except asyncio.CancelledError:
-            self.running.pop(task_id, None)
-            reason = self._stop_reason.pop(task_id, None)
-            if reason is None:
-                self._event_failures.pop((task_id, attempt), None)
-                self._isolation.pop(task_id, None)
-                return  # the controller asked us to stop: it already knows
-            outcome = Outcome(False, error=reason)
-        except ScrubFailed as exc:
-            outcome = Outcome(False, error=exc.error)
-        except Exception as exc:
-            log.exception("task %s could not run", task_id)
-            outcome = Outcome(
-                False, error={"type": "worker_error", "message": f"{type(exc).__name__}: {exc}"}
-            )
-        self.running.pop(task_id, None)
-        isolation = self._isolation.pop(task_id, None)
-        completion = {
-            "task_id": task_id, "attempt": attempt, "status": "succeeded" if outcome.succeeded else "failed",
-            "output": outcome.output, "error": outcome.error, "run_s": outcome.run_s, "started_at": outcome.started_at,
-            "isolation": outcome.isolation or isolation,  # what held and confined its process
-        }  # fmt: skip
-        self._completions.append(checked_completion(completion))
-        self._completions_ready.set()
-
-    async def _run_with_files(
-        self, runnable: Runnable, lease: dict[str, Any], sink: Callable[[dict[str, Any]], None]
-    ) -> Outcome:
-        """Fetch the task's input files, run it in a process of its variant's pool, send back its output files."""
-        task_id = lease["id"]
-        try:
-            files = await self.files.prepare(lease)
-        except TaskFileError as exc:
-            return Outcome(False, error=exc.error)
-        try:
-            with_files = {**lease, "files": files.inputs, "output_dir": str(files.output_dir)}
-            key = grant_key(lease.get("gpus"))
-            tenant = str(lease.get("tenant") or "default")
-            await self._hand_over(task_id, lease.get("gpus") or {}, tenant)
-            proc = await self._acquire(runnable, key, task_id, tenant, env=files.env())
-            reusable = False
-            grant = lease.get("gpus") or {}
-            if grant and not grant.get("exclusive") and proc.pid:
-                self._shared[task_id] = SharedTask(task_id, proc.pid, tuple(grant.get("uuids", [])),
-                                                   int(grant.get("memory_bytes", 0)))  # fmt: skip
-            if proc.pid is not None:  # it started: what holds it is known, however its run ends
-                self._isolation[task_id] = proc.isolation
-            try:
-                outcome = await proc.run(runnable.task_line(with_files), sink, lease.get("timeout_s"))
-                # a failure the program reported itself leaves it warm; a timeout or a crash does not
-                reusable = proc.alive and (outcome.error or {}).get("type") not in PROCESS_FAULTS
-            finally:
-                self._shared.pop(task_id, None)
-                runnable.pool.release(proc, key, reusable)
-            if outcome.succeeded:
-                try:
-                    outcome.output = await self.files.collect(files, lease, outcome.output)
-                except TaskFileError as exc:
-                    outcome = Outcome(False, error=exc.error, run_s=outcome.run_s, started_at=outcome.started_at,
-                                      isolation=outcome.isolation)  # fmt: skip
-            return outcome
-        finally:
-            if not self.files.remove_if_empty(files):  # the common case costs two rmdir calls, no thread
-                await asyncio.get_running_loop().run_in_executor(None, self.files.cleanup, files)
+        return sink
 
     def _event_not_carried(self, task_id: str, attempt: int, error: dict[str, Any]) -> None:
         """An event of this attempt is dropped, and its task will fail `invalid_output` (see `with_event_failure`).

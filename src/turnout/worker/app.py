@@ -34,6 +34,7 @@ class HandlerVariant:
     variant: Variant
     handler: Handler
     pool: PoolSettings = field(default_factory=PoolSettings)
+    setup: Callable[[str], None] | None = None  # once per warm process of this variant (a model load)
 
     @property
     def key(self) -> str:
@@ -66,7 +67,15 @@ class WorkerApplication:
         min_processes: int = 0,
         max_processes: int | None = None,
         idle_timeout_s: float = 60.0,
+        max_batch_size: int = 1,
+        max_batch_wait_ms: float = 0.0,
+        setup: Callable[[str], None] | None = None,
     ) -> Callable[[Handler], Handler]:
+        """Declare a variant. Pools: `min_processes` warm processes kept, at most `max_processes`, idle ones above
+        the minimum exit after `idle_timeout_s`. Batching: with `max_batch_size` > 1 the handler receives a list
+        of inputs (up to that many, gathered for at most `max_batch_wait_ms`) and returns a list of outputs.
+        `setup(device)` runs once per warm process of this variant, after the app's `@app.setup`: load this
+        variant's model there, and its time counts as the cold start, not as any task's run."""
         check_capability_name(name, "capability")
         spec: dict[str, Any] = {"cpu": cpu}
         for key, value in (("memory", memory), ("gpu", gpu), ("gpu_memory", gpu_memory), ("gpu_model", gpu_model),
@@ -77,10 +86,15 @@ class WorkerApplication:
         device = Device.GPU if resources.wants_gpu else Device.CPU
         if min_processes < 0 or (max_processes is not None and max_processes < max(1, min_processes)):
             raise InvalidInput(f"{name}: need 0 <= min_processes <= max_processes", field="max_processes")
+        if idle_timeout_s < 0:
+            raise InvalidInput(f"{name}: idle_timeout_s must be >= 0", field="idle_timeout_s")
+        if not 1 <= max_batch_size <= 4096 or max_batch_wait_ms < 0:
+            raise InvalidInput(f"{name}: need 1 <= max_batch_size <= 4096 and max_batch_wait_ms >= 0",
+                               field="max_batch_size")  # fmt: skip
 
         def register(fn: Handler) -> Handler:
-            hv = HandlerVariant(Variant(name, device, resources), fn,
-                                PoolSettings(min_processes, max_processes, idle_timeout_s))  # fmt: skip
+            hv = HandlerVariant(Variant(name, device, resources, max_batch_size, float(max_batch_wait_ms)), fn,
+                                PoolSettings(min_processes, max_processes, idle_timeout_s), setup)  # fmt: skip
             if hv.key in self.variants:
                 raise InvalidInput(
                     f"{name}: a {device.value} variant is already defined in app {self.name}",
@@ -131,7 +145,8 @@ class Context:
     def output_dir(self) -> Path:
         """An empty directory of this attempt's own: what the handler writes here is sent back as files."""
         if self._output_dir is None:
-            raise InvalidInput("ctx.output_dir: this task was not started by a worker that collects files",
+            raise InvalidInput("ctx.output_dir: this task was not started by a worker that collects files, or "
+                               "it runs in a batch (a batch's handler has no output directory)",
                                field="output_dir")  # fmt: skip
         return Path(self._output_dir)
 
@@ -152,6 +167,16 @@ class Context:
 
     def progress(self, done: float, total: float | None = None) -> None:
         self.emit("progress", done=done, total=total)
+
+
+class BatchContext(Context):
+    """What a batched handler sees: one context for the batch. `emit` goes to every task's stream;
+    `emit_for(i, ...)` to the i-th input's task only. `task_ids[i]` is the i-th input's task."""
+
+    task_ids: list[str]
+
+    def emit_for(self, item: int, event: str, **fields: Any) -> None:
+        self.emit(event, item=item, **fields)
 
 
 def load_app(ref: str) -> WorkerApplication:

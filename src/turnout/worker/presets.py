@@ -10,6 +10,7 @@
           mode: one-off                           # or session: one warm process serves many tasks
           timeout_s: 600                          # for tasks that set no timeout
           min_processes: 0                        # session mode: warm processes kept
+          max_processes: 2                        # session mode: at most this many (default: as tasks need)
           idle_timeout_s: 60                      # session mode: idle processes above the minimum exit
           isolation: sandbox                      # or none; default: the worker's --isolation
           network: false                          # a sandbox has no network unless this is true
@@ -50,7 +51,7 @@ from turnout.worker.visibility import gpu_env
 
 DEFAULT_MODELS_DIR = Path("~/.turnout/models")
 INFERENCE_KEYS = ("command", "docker_image", "env_vars", "resources", "mode", "timeout_s", "min_processes",
-                  "idle_timeout_s", "isolation", "network")  # fmt: skip
+                  "max_processes", "idle_timeout_s", "isolation", "network")  # fmt: skip
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -72,6 +73,7 @@ class Preset:
     idle_timeout_s: float = 60.0
     isolation: Isolation | None = None  # None: the worker's default
     network: bool | None = None  # None: not said (a sandbox then has none)
+    max_processes: int | None = None  # session mode: the pool's cap (None: as tasks need)
 
 
 # ---- parsing ---------------------------------------------------------------------------------------
@@ -135,6 +137,14 @@ def _parse_inference(name: str, spec: Any, at: str) -> Preset:
     if min_processes and mode is Mode.ONE_OFF:
         raise _bad(f"{at}.min_processes", "only a session keeps warm processes; one-off starts one per task")
     idle_timeout_s = _number(spec.get("idle_timeout_s", 60.0), f"{at}.idle_timeout_s")
+    max_processes = spec.get("max_processes")
+    if max_processes is not None and (isinstance(max_processes, bool) or not isinstance(max_processes, int)
+                                      or max_processes < max(1, min_processes)):  # fmt: skip
+        raise _bad(
+            f"{at}.max_processes", f"expected a whole number >= max(1, min_processes), got {max_processes!r}"
+        )
+    if max_processes is not None and mode is Mode.ONE_OFF:
+        raise _bad(f"{at}.max_processes", "only a session keeps a pool; one-off starts one process per task")
     isolation = spec.get("isolation")
     if isolation is not None and isolation not in {i.value for i in Isolation}:
         raise _bad(f"{at}.isolation", f"expected none or sandbox, got {isolation!r}")
@@ -146,7 +156,7 @@ def _parse_inference(name: str, spec: Any, at: str) -> Preset:
     device = Device.GPU if resources.wants_gpu else Device.CPU
     return Preset(name, Variant(name, device, resources), command, image, _env_vars(spec.get("env_vars"), f"{at}.env_vars"),
                   mode, timeout_s, min_processes, idle_timeout_s, Isolation(isolation) if isolation else None,
-                  network)  # fmt: skip
+                  network, max_processes)  # fmt: skip
 
 
 def _command(value: Any, at: str) -> tuple[str, ...] | None:
@@ -235,7 +245,7 @@ def _runnable(preset: Preset, base_env: dict[str, str], models_dir: Path, docker
         pool = OneOffPool(launch)
     else:
         pool = ProcessPool(lambda key: launch(key, None), min_processes=preset.min_processes,
-                           idle_timeout_s=preset.idle_timeout_s)  # fmt: skip
+                           idle_timeout_s=preset.idle_timeout_s, max_processes=preset.max_processes)  # fmt: skip
     return Runnable(preset.variant, pool, raw_input_line)
 
 

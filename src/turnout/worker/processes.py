@@ -45,6 +45,9 @@ class Outcome:
     run_s: float = 0.0
     started_at: float = field(default_factory=time.time)
     isolation: Isolation | None = None  # what held the process that ran it (containment.py)
+    ready_at: float | None = None  # when a fresh Python process finished its setup (the runner says)
+    peak_rss_bytes: int | None = None  # the process's peak RAM so far (the runner says)
+    peak_gpu_memory_bytes: int | None = None  # torch's peak CUDA allocation during the task (the runner says)
 
 
 class ProtocolProcess:
@@ -78,6 +81,9 @@ class ProtocolProcess:
         self._stderr_task: asyncio.Task[None] | None = None
         self.last_used = time.monotonic()
         self.tasks_served = 0
+        self.spawned_at: float | None = (
+            None  # epoch seconds when start() began: a cold start counts from here
+        )
 
     @property
     def pid(self) -> int | None:
@@ -88,6 +94,7 @@ class ProtocolProcess:
         return self.proc is not None and self.proc.returncode is None
 
     async def start(self) -> None:
+        self.spawned_at = time.time()
         launch = (self.contain or containment.current()).launch()
         read_end, self._lifeline_w = os.pipe()
         # PID 1 of a new namespace sees its parent (unshare, outside it) as pid 0
@@ -238,14 +245,15 @@ class ProtocolProcess:
                 last_text = event.get("content")
                 sink(event)
             elif kind == "finish":
+                facts = _finish_facts(event)
                 if event.get("status") == "completed":
                     if not have_result and last_text is not None:
                         output = {"text": last_text}
-                    return Outcome(True, output=output, started_at=started)
+                    return Outcome(True, output=output, started_at=started, **facts)
                 error = event.get("error")
                 if not isinstance(error, dict):
                     error = {"type": "failed", "message": str(error or "the worker program reported failure")}
-                return Outcome(False, error=error, started_at=started)
+                return Outcome(False, error=error, started_at=started, **facts)
             else:
                 sink(event)
 
@@ -291,6 +299,19 @@ class ProtocolProcess:
                 task.cancel()
 
 
+def _finish_facts(event: dict[str, Any]) -> dict[str, Any]:
+    """What a `finish` event may say about the process (the Python runner says it; other programs may too)."""
+    out: dict[str, Any] = {}
+    ready = event.get("ready_at")
+    if isinstance(ready, int | float) and not isinstance(ready, bool):
+        out["ready_at"] = float(ready)
+    for key in ("peak_rss_bytes", "peak_gpu_memory_bytes"):
+        value = event.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**53:
+            out[key] = value
+    return out
+
+
 class RefusedProcess(ProtocolProcess):
     """Stands in for a process that cannot start on this worker: each task fails with `error`, the worker lives."""
 
@@ -315,30 +336,73 @@ class ProcessPool:
     """
 
     def __init__(
-        self, factory: ProcessFactory, *, min_processes: int = 0, idle_timeout_s: float = 60.0
+        self,
+        factory: ProcessFactory,
+        *,
+        min_processes: int = 0,
+        idle_timeout_s: float = 60.0,
+        max_processes: int | None = None,
     ) -> None:
         self.factory = factory
         self.min_processes = min_processes
+        self.max_processes = max_processes  # None: as many as the tasks leased here need
         self.idle_timeout_s = idle_timeout_s
         self.idle: dict[tuple[str, ...], list[ProtocolProcess]] = {}
         self.busy: set[ProtocolProcess] = set()
+        self._starting = 0
+        self._freed = asyncio.Event()  # replaced on each release: take it before looking, then wait on it
+        self.started_total = 0  # processes ever started: a cold start each
+
+    @property
+    def size(self) -> int:
+        return sum(len(v) for v in self.idle.values()) + len(self.busy) + self._starting
+
+    def loaded(self) -> int:
+        """Live processes past their start, busy or idle: the model is loaded in each."""
+        return self.warm() + sum(1 for p in self.busy if p.alive)
+
+    def warm(self) -> int:
+        """Idle live processes: a task for this variant would start at once, model loaded."""
+        return sum(1 for v in self.idle.values() for p in v if p.alive)
 
     async def acquire(
         self, key: tuple[str, ...], task_id: str | None = None, env: dict[str, str] | None = None
     ) -> ProtocolProcess:
-        """A warm process for `key` (one started now if none is idle). `env` is for processes started per
-        task (`OneOffPool`); a warm process was started before the task, so it gets the task's files from
-        its input line instead."""
-        stack = self.idle.get(key, [])
-        while stack:
-            proc = stack.pop()
-            if proc.alive:
-                self.busy.add(proc)
-                return proc
-        proc = self.factory(key)
-        await proc.start()
+        """A warm process for `key`, else a new one; at `max_processes`, wait for one to be released.
+
+        The pool grows only here, so only while a task waits for a process. `env` is for processes started
+        per task (`OneOffPool`); a warm process was started before the task, so it gets the task's files
+        from its input line instead."""
+        while True:
+            freed = self._freed
+            stack = self.idle.get(key, [])
+            while stack:
+                proc = stack.pop()
+                if proc.alive:
+                    self.busy.add(proc)
+                    return proc
+            if self.max_processes is None or self.size < self.max_processes:
+                break
+            if self._evict_other_key(key):
+                continue
+            await freed.wait()
+        self._starting += 1
+        try:
+            proc = self.factory(key)
+            await proc.start()
+        finally:
+            self._starting -= 1
+        self.started_total += 1
         self.busy.add(proc)
         return proc
+
+    def _evict_other_key(self, key: tuple[str, ...]) -> bool:
+        """At the cap, an idle process started for other GPUs makes room for this task's."""
+        for other, stack in self.idle.items():
+            if other != key and stack:
+                stack.pop().kill()
+                return True
+        return False
 
     def release(self, proc: ProtocolProcess, key: tuple[str, ...], reusable: bool) -> None:
         self.busy.discard(proc)
@@ -346,6 +410,8 @@ class ProcessPool:
             self.idle.setdefault(key, []).append(proc)
         else:
             proc.kill()
+        self._freed.set()
+        self._freed = asyncio.Event()
 
     async def prewarm(self, key: tuple[str, ...] = ()) -> None:
         while sum(len(v) for v in self.idle.values()) + len(self.busy) < self.min_processes:
@@ -402,7 +468,8 @@ class OneOffPool(ProcessPool):
         return proc
 
     def release(self, proc: ProtocolProcess, key: tuple[str, ...], reusable: bool) -> None:
-        super().release(proc, key, reusable=False)
+        self.busy.discard(proc)
+        proc.kill()
 
     async def prewarm(self, key: tuple[str, ...] = ()) -> None:
         return None

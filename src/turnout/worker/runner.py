@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 import threading
 import time
@@ -52,7 +53,7 @@ def encode(event: dict[str, Any]) -> str:
     return json.dumps(event, allow_nan=False)
 
 
-def result_lines(result: Any, run_s: float) -> list[str]:
+def result_lines(result: Any, run_s: float, facts: dict[str, Any] | None = None) -> list[str]:
     """The `result` and `finish` lines of a handler's return value, or a failed `finish` saying what JSON
     cannot carry and where. Checked before anything is written, so the stream never holds half a report."""
     where = problem(result, "output")
@@ -61,10 +62,10 @@ def result_lines(result: Any, run_s: float) -> list[str]:
     else:
         try:
             return [encode({"event": "result", "data": result}),
-                    encode({"event": "finish", "status": "completed", "run_s": run_s})]  # fmt: skip
+                    encode({"event": "finish", "status": "completed", "run_s": run_s, **(facts or {})})]  # fmt: skip
         except (ValueError, TypeError, RecursionError) as exc:  # e.g. an int longer than Python will print
             error = invalid_output("output", f"cannot be written as JSON: {type(exc).__name__}: {exc}")
-    return [encode({"event": "finish", "status": "failed", "error": error, "run_s": run_s})]
+    return [encode({"event": "finish", "status": "failed", "error": error, "run_s": run_s, **(facts or {})})]
 
 
 def _limit_torch_memory() -> None:
@@ -78,6 +79,36 @@ def _limit_torch_memory() -> None:
             torch.cuda.set_per_process_memory_fraction(float(fraction), 0)
     except Exception as exc:  # a CPU build or no device: nothing to limit
         print(f"turnout: could not set torch memory fraction: {exc}", file=sys.stderr)
+
+
+def _torch_cuda() -> Any:
+    """torch.cuda where the handler imported torch and a GPU is visible; else None (nothing to measure)."""
+    torch = sys.modules.get("torch")
+    try:
+        return torch.cuda if torch is not None and torch.cuda.is_available() else None
+    except Exception:
+        return None
+
+
+def _reset_gpu_peak() -> None:
+    cuda = _torch_cuda()
+    if cuda is not None:
+        try:
+            cuda.reset_peak_memory_stats()
+        except Exception as exc:
+            print(f"turnout: could not reset torch's peak memory: {exc}", file=sys.stderr)
+
+
+def _peaks() -> dict[str, int]:
+    """This process's peak RAM so far, and torch's peak GPU allocation during the task: for profiles."""
+    out = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
+    cuda = _torch_cuda()
+    if cuda is not None:
+        try:
+            out["peak_gpu_memory_bytes"] = int(cuda.max_memory_allocated())
+        except Exception as exc:
+            print(f"turnout: could not read torch's peak memory: {exc}", file=sys.stderr)
+    return out
 
 
 def main(argv: list[str]) -> int:
@@ -98,7 +129,7 @@ def main(argv: list[str]) -> int:
     def send(obj: dict[str, Any]) -> None:
         write(encode(obj))
 
-    from turnout.worker.app import Context, load_app
+    from turnout.worker.app import BatchContext, Context, load_app
 
     try:
         app = load_app(app_ref)
@@ -109,33 +140,67 @@ def main(argv: list[str]) -> int:
                 {"event": "worker", "status": "loading", "message": f"setup of {app.name} on {torch_device}"}
             )
             app.setup_fn(torch_device)
+        if hv.setup is not None:
+            send(
+                {
+                    "event": "worker",
+                    "status": "loading",
+                    "message": f"setup of {capability} on {torch_device}",
+                }
+            )
+            hv.setup(torch_device)
+        if app.setup_fn is not None or hv.setup is not None:
             _limit_torch_memory()
     except Exception as exc:
         send({"event": "finish", "status": "failed", "error": {**_error(exc), "type": "setup_failed"}})
         return 3
+    ready_at: float | None = time.time()  # said once, with the first task's finish: the cold start ends here
+    batched = hv.variant.max_batch_size > 1
     for line in sys.stdin:
         if not line.strip():
             continue
         task = json.loads(line)
-        ctx = Context(task_id=task.get("task_id", ""), attempt=task.get("attempt", 1), device=torch_device,
-                      gpus=task.get("gpus", []), sink=proto, lock=lock, files=task.get("files"),
-                      output_dir=task.get("output_dir"))  # fmt: skip
+        items = task["batch"] if batched and isinstance(task.get("batch"), list) else [task]
+        head = items[0]
+        ctx: Context = (BatchContext if batched else Context)(
+            task_id=head.get("task_id", ""), attempt=head.get("attempt", 1), device=torch_device,
+            gpus=head.get("gpus", []), sink=proto, lock=lock,
+            # a batch's handler reads every input's files; only a single task collects an output directory
+            files={k: v for i in items for k, v in (i.get("files") or {}).items()},
+            output_dir=None if batched else head.get("output_dir"),
+        )  # fmt: skip
+        if isinstance(ctx, BatchContext):
+            ctx.task_ids = [str(i.get("task_id", "")) for i in items]
+        facts: dict[str, Any] = {"ready_at": ready_at} if ready_at is not None else {}
+        ready_at = None
+        _reset_gpu_peak()
         started = time.time()
         try:
-            result = hv.handler(ctx, task.get("input"))
-            write(*result_lines(result, time.time() - started))
+            data = [i.get("input") for i in items] if batched else head.get("input")
+            result = hv.handler(ctx, data)
+            facts.update(_peaks())
+            write(*result_lines(result, time.time() - started, facts))
         except (
             InvalidOutput
         ) as exc:  # an event JSON cannot carry: refused at ctx.emit, before any was written
+            facts.update(_peaks())
             error = invalid_output(exc.path, exc.why)
-            send({"event": "finish", "status": "failed", "error": error, "run_s": time.time() - started})
-        except BaseException as exc:  # a handler's failure is its task's failure, never the process's
-            if isinstance(exc, KeyboardInterrupt | SystemExit):
-                send({"event": "finish", "status": "failed", "error": _error(exc)})
-                return 1
             send(
-                {"event": "finish", "status": "failed", "error": _error(exc), "run_s": time.time() - started}
+                {
+                    "event": "finish",
+                    "status": "failed",
+                    "error": error,
+                    "run_s": time.time() - started,
+                    **facts,
+                }
             )
+        except BaseException as exc:  # a handler's failure is its task's failure, never the process's
+            facts.update(_peaks())
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                send({"event": "finish", "status": "failed", "error": _error(exc), **facts})
+                return 1
+            send({"event": "finish", "status": "failed", "error": _error(exc), "run_s": time.time() - started,
+                  **facts})  # fmt: skip
     return 0
 
 

@@ -1,0 +1,155 @@
+"""Warm pools, batching and pipeline overhead on the demo's real model (all-MiniLM-L6-v2 on this CPU).
+
+1. warm against cold: submit-to-result latency of one classify_text task on a warm process (model loaded)
+   against one that must start a process and load the model (idle_timeout_s=0; each task waits until the pool
+   is empty). Aim: warm at least 20x faster.
+2. batched against unbatched: texts per second through one process, max_batch_size 32 against 1. Aim: >= 3x.
+3. pipeline overhead: a 3-stage pipeline of no-op stages, end to end (start to finished run, seen by a client)
+   less the sum of its stages' run seconds, next to one no-op task's submit-to-result less its run seconds, in
+   the same cluster. Aim: the run adds no more than one single task's overhead in all, not one per stage.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.common import Processes, TurnoutCluster
+
+CONFIG = """
+pipelines:
+  noop3:
+    stages:
+      - {capability: noop, gpu: never}
+      - {capability: noop, gpu: never}
+      - {capability: noop, gpu: never}
+"""
+TEXTS = [
+    "The food was amazing and the staff were friendly.", "The service was slow and the soup was cold.",
+    "Absolutely loved the film, the acting was superb.", "Worst purchase I have ever made, it broke at once.",
+]  # fmt: skip
+
+
+def _result(http: httpx.Client, task_id: str) -> dict[str, Any]:
+    while True:
+        task = http.get(f"/v1/tasks/{task_id}/result", params={"wait": 30}).json()
+        if task["state"] in ("succeeded", "failed", "cancelled"):
+            return task
+
+
+def _one(http: httpx.Client, capability: str, data: Any) -> tuple[float, dict[str, Any]]:
+    started = time.perf_counter()
+    task = http.post("/v1/tasks", json={"capability": capability, "input": data, "gpu": "never"}).json()
+    done = _result(http, task["id"])
+    return time.perf_counter() - started, done
+
+
+def _pool_size(http: httpx.Client, key: str) -> int:
+    workers = http.get("/v1/workers").json()["workers"]
+    return sum(int((w.get("pools") or {}).get(key, {}).get("size", 0)) for w in workers)
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    procs = Processes()
+    with tempfile.TemporaryDirectory(prefix="bench-pipelines-") as tmp:
+        c = TurnoutCluster(Path(tmp), procs, heartbeat_s=0.5)
+        (Path(tmp) / "turnout.yaml").write_text(CONFIG)
+        try:
+            _start_controller(c, Path(tmp) / "turnout.yaml")
+            c.start_worker("bench.model_app:app", "w", extra=["--cpus", "2"])
+            http = httpx.Client(base_url=c.url, headers=c.headers, timeout=120)
+            return {"warm_cold": _warm_cold(http, 3 if quick else 5),
+                    "batching": _batching(http, 64 if quick else 256),
+                    "pipeline_overhead": _overhead(http, 10 if quick else 30)}  # fmt: skip
+        finally:
+            procs.stop_all()
+
+
+def _start_controller(c: TurnoutCluster, config: Path) -> None:
+    argv = [sys.executable, "-m", "turnout.cli", "controller", "--db", f"sqlite:///{c.tmp / 'turnout.db'}",
+            "--port", str(c.port), "--home", str(c.tmp / "home"), "--heartbeat-s", str(c.heartbeat_s),
+            "--config", str(config)]  # fmt: skip
+    c.controller = c.procs.start(argv, c.env, c.tmp / "controller.log")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{c.url}/healthz", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    c.token = (c.tmp / "home" / "admin.token").read_text().strip()
+
+
+def _warm_cold(http: httpx.Client, n: int) -> dict[str, Any]:
+    _one(http, "classify_warm", {"text": TEXTS[0]})  # loads the model once
+    warm = [_one(http, "classify_warm", {"text": TEXTS[i % 4]})[0] for i in range(n * 4)]
+    cold = []
+    for i in range(n):
+        deadline = time.monotonic() + 30
+        while _pool_size(http, "classify_cold:cpu") and time.monotonic() < deadline:
+            time.sleep(0.1)  # idle_timeout_s=0: wait until its last process is gone, so this task starts one
+        seconds, task = _one(http, "classify_cold", {"text": TEXTS[i % 4]})
+        assert task["cold_start_s"] and task["cold_start_s"] > 0.5, task
+        cold.append(seconds)
+    w, c = statistics.median(warm), statistics.median(cold)
+    return {"warm_p50_s": round(w, 4), "cold_p50_s": round(c, 3), "cold_over_warm": round(c / w, 1),
+            "warm_n": len(warm), "cold_n": len(cold)}  # fmt: skip
+
+
+def _throughput(http: httpx.Client, capability: str, n: int) -> float:
+    _one(http, capability, {"text": TEXTS[0]})  # warm: the model is loaded before timing
+    body = {
+        "tasks": [
+            {"capability": capability, "input": {"text": TEXTS[i % 4]}, "gpu": "never"} for i in range(n)
+        ]
+    }
+    started = time.perf_counter()
+    tasks = http.post("/v1/tasks/batch", json=body).json()["tasks"]
+    for t in tasks:
+        assert _result(http, t["id"])["state"] == "succeeded"
+    return n / (time.perf_counter() - started)
+
+
+def _batching(http: httpx.Client, n: int) -> dict[str, Any]:
+    one = _throughput(http, "classify_warm", n)
+    many = _throughput(http, "classify_batched", n)
+    return {"texts": n, "unbatched_per_s": round(one, 1), "batched_32_per_s": round(many, 1),
+            "batched_over_unbatched": round(many / one, 2)}  # fmt: skip
+
+
+def _overhead(http: httpx.Client, n: int) -> dict[str, Any]:
+    singles, runs = [], []
+    for _ in range(3):
+        _one(http, "noop", None)
+    for _ in range(n):
+        seconds, task = _one(http, "noop", None)
+        singles.append(seconds - (task["run_s"] or 0))
+        started = time.perf_counter()
+        run = http.post("/v1/pipelines/noop3/runs", params={"wait": 60}, json={"input": {}}).json()
+        while run["state"] == "running":
+            run = http.get(f"/v1/pipeline-runs/{run['id']}", params={"wait": 30}).json()
+        elapsed = time.perf_counter() - started
+        assert run["state"] == "succeeded", run
+        runs.append(elapsed - sum(s["run_s"] or 0 for s in run["stages"]))
+    single, pipe = statistics.median(singles), statistics.median(runs)
+    return {"runs": n, "single_task_overhead_p50_ms": round(single * 1000, 1),
+            "pipeline_3_stage_overhead_p50_ms": round(pipe * 1000, 1),
+            "pipeline_over_single": round(pipe / single, 2)}  # fmt: skip
+
+
+def summary(result: dict[str, Any]) -> str:
+    wc, b, o = result["warm_cold"], result["batching"], result["pipeline_overhead"]
+    return "\n".join([
+        f"  classify_text warm p50 {wc['warm_p50_s'] * 1000:.1f} ms, cold p50 {wc['cold_p50_s']:.2f} s: "
+        f"warm {wc['cold_over_warm']}x faster (aim >= 20x)",
+        f"  classify_text {b['texts']} texts: unbatched {b['unbatched_per_s']}/s, batched (32) {b['batched_32_per_s']}/s: "
+        f"{b['batched_over_unbatched']}x (aim >= 3x)",
+        f"  no-op overhead p50: single task {o['single_task_overhead_p50_ms']} ms, 3-stage pipeline "
+        f"{o['pipeline_3_stage_overhead_p50_ms']} ms: {o['pipeline_over_single']}x a single task's (aim <= 1x)",
+    ])  # fmt: skip

@@ -1,0 +1,160 @@
+"""Pipeline routes: start a run, read one, list them, cancel one; and the configured pipelines.
+
+POST /v1/pipelines/{name}/runs?wait=S     {input, gpu?}  -> the run (201), after at most S s of waiting
+GET  /v1/pipeline-runs/{id}?wait=S        the run: stages with their cost, cost_usd, gpu_only_cost_usd
+GET  /v1/pipeline-runs?state=&limit=&cursor=
+POST /v1/pipeline-runs/{id}/cancel        cancels the stage in flight and those not started
+GET  /v1/pipelines                        what turnout.yaml configures
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any
+
+from fastapi import APIRouter, FastAPI, Query
+
+from turnout.access import Action, Principal
+from turnout.api.schemas import GPU_SCHEMA, Strict, check_task_size, device_of, iso
+from turnout.api.service import Service, Signal
+from turnout.api.strictjson import StrictJsonRoute
+from turnout.config import Prices
+from turnout.errors import InvalidInput
+from turnout.models import GpuMode, Task
+from turnout.pipelines import PipelineRun, RunState, run_costs, stage_gpu
+from turnout.profiles import Profile, learned_gpu_memory
+
+
+class RunIn(Strict):
+    input: Any = None
+    gpu: Annotated[Any, GPU_SCHEMA] = None  # for stages whose config sets no gpu of their own
+
+
+Need = Callable[[Action], Any]
+Scope = Callable[[Principal], str | None]
+
+
+def install(app: FastAPI, service: Service, need: Need, scope: Scope) -> None:
+    """Add the pipeline routes. A run belongs to the tenant that started it: another tenant's run answers 404,
+    as its tasks do; `scope` is the app's rule for whose runs a caller sees."""
+    app.include_router(router(service, need, scope))
+
+
+def router(service: Service, need: Need, scope: Scope) -> APIRouter:
+    api = APIRouter(route_class=StrictJsonRoute)
+    ctrl = service.controller
+    runs = ctrl.runs
+    limits = ctrl.settings.request_limits
+
+    async def answer(tenant: str | None, run_id: str, wait: float) -> dict[str, Any]:
+        deadline = time.monotonic() + wait
+        while True:
+            signal = service.tasks_changed.current()
+            run, tasks = await service.read(_run_and_tasks, tenant, run_id)
+            left = deadline - time.monotonic()
+            if run.state.terminal or left <= 0:
+                return run_out(run, tasks, ctrl.settings.prices)
+            await Signal.wait(signal, min(left, service.recheck_s))
+
+    def _run_and_tasks(tenant: str | None, run_id: str) -> tuple[PipelineRun, list[Task | None]]:
+        run = runs.get(tenant, run_id)
+        return run, runs.tasks_of(run)
+
+    @api.get("/v1/pipelines")
+    async def pipelines(p: Principal = need(Action.READ)) -> dict[str, Any]:
+        return {"pipelines": [{"name": pl.name, "stages": [s.to_dict() for s in pl.stages]}
+                              for pl in ctrl.settings.pipelines.values()]}  # fmt: skip
+
+    @api.post("/v1/pipelines/{name}/runs", status_code=201)
+    async def start(
+        name: str, body: RunIn, wait: float = Query(0, ge=0, le=3600), p: Principal = need(Action.SUBMIT)
+    ) -> dict[str, Any]:
+        check_task_size(body.input, {}, limits)
+        gpu = GpuMode.parse(body.gpu, "gpu") if body.gpu is not None else None
+        first = runs.pipeline(name).stages[0]  # 404 for a pipeline not configured, before any token is taken
+        # the run is one submission (its first stage's, GPU-only where that stage is); the stages the
+        # controller queues after it are not the client's submissions: only max_gpus and the allocation
+        # rate hold them, at lease time, as for any task
+        service.admit_counts(p.home_tenant, 1, int(stage_gpu(first, gpu) is GpuMode.REQUIRE))
+        run = await service.call(runs.start, p.home_tenant, name, body.input, gpu)
+        service.queue_changed.notify()
+        return await answer(scope(p), run.id, wait)
+
+    @api.get("/v1/pipeline-runs")
+    async def list_runs(
+        state: str | None = None,
+        limit: int = Query(50, ge=1, le=1000),
+        cursor: str | None = None,
+        p: Principal = need(Action.READ),
+    ) -> dict[str, Any]:
+        if state is not None and state not in {s.value for s in RunState}:
+            raise InvalidInput(f"state: {state!r} is not a run state ({', '.join(s.value for s in RunState)})",
+                               field="state")  # fmt: skip
+        found = await service.read(_list_with_tasks, scope(p), state, limit, cursor)
+        return {
+            "pipeline_runs": [run_out(run, tasks, ctrl.settings.prices) for run, tasks in found],
+            "next_cursor": found[-1][0].id if len(found) == limit else None,
+        }
+
+    def _list_with_tasks(tenant: str | None, state: str | None, limit: int,
+                         cursor: str | None) -> list[tuple[PipelineRun, list[Task | None]]]:  # fmt: skip
+        return [(r, runs.tasks_of(r)) for r in runs.list(tenant, state=state, limit=limit, cursor=cursor)]
+
+    @api.get("/v1/pipeline-runs/{run_id}")
+    async def get_run(
+        run_id: str, wait: float = Query(0, ge=0, le=3600), p: Principal = need(Action.READ)
+    ) -> dict[str, Any]:
+        return await answer(scope(p), run_id, wait)
+
+    @api.post("/v1/pipeline-runs/{run_id}/cancel")
+    async def cancel(run_id: str, p: Principal = need(Action.SUBMIT)) -> dict[str, Any]:
+        await service.call(runs.cancel, scope(p), run_id, by=p.token_id)
+        service.changed()
+        return await answer(scope(p), run_id, 0)
+
+    return api
+
+
+def run_out(run: PipelineRun, tasks: Sequence[Task | None], prices: Prices) -> dict[str, Any]:
+    """A run as the API answers it: each stage with where it ran and what it cost, and the totals."""
+    cost, gpu_only = run_costs(prices, tasks)
+    stages = []
+    for i, (stage, task) in enumerate(zip(run.stages, tasks, strict=True)):
+        entry: dict[str, Any] = {"index": i, "capability": stage.capability, "state": "pending", "task_id": None,
+                                 "device": None, "gpu_model": None, "worker": None, "queue_s": None,
+                                 "cold_start_s": None, "run_s": None, "cost_usd": None, "reason": None,
+                                 "attempts": 0, "error": None}  # fmt: skip
+        if task is not None:
+            start = task.started_at or task.leased_at or task.finished_at
+            entry.update(state=task.state.value, task_id=task.id, device=device_of(task), gpu_model=task.gpu_model,
+                         worker=task.worker_id, queue_s=_round(start - task.created_at if start else None),
+                         cold_start_s=_round(task.cold_start_s), run_s=_round(task.run_s), cost_usd=task.cost_usd,
+                         reason=(task.routing or {}).get("reason"), attempts=task.attempts, error=task.error,
+                         batch_size=(task.usage or {}).get("batch_size"))  # fmt: skip
+        stages.append(entry)
+    saving = None if cost is None or gpu_only is None else round(gpu_only - cost, 10)
+    return {
+        "id": run.id, "pipeline": run.pipeline, "tenant": run.tenant, "state": run.state.value, "input": run.input,
+        "output": run.output, "error": run.error, "gpu": run.gpu.value if run.gpu else None, "stages": stages,
+        "cost_usd": cost, "gpu_only_cost_usd": gpu_only, "saving_usd": saving,
+        "run_s": _round(sum(t.run_s or 0.0 for t in tasks if t is not None)),
+        "duration_s": _round((run.finished_at - run.created_at) if run.finished_at else None),
+        "created_at": iso(run.created_at), "finished_at": iso(run.finished_at),
+    }  # fmt: skip
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 6)
+
+
+def profile_view(
+    capability: str, variants: dict[str, dict[str, Any]], learned: Sequence[Profile]
+) -> dict[str, Any]:
+    """A capability's profiles (what `auto` routes on), and for a GPU variant that declares no gpu_memory, the
+    one learned from its observed peak with headroom (`gpu_memory_learned`, bytes)."""
+    mine = [p for p in learned if p.capability == capability]
+    gpu = variants.get("gpu")
+    if gpu is not None and not gpu["resources"].get("gpu_memory"):
+        gpu["gpu_memory_learned"] = learned_gpu_memory(mine)
+    return {"profiles": [p.to_dict() for p in mine]}

@@ -1,0 +1,165 @@
+"""What finished tasks taught about each (capability, device class, GPU model), and `gpu: auto` decided on it.
+
+A profile holds moving averages of run time and cold start, and the peaks of GPU memory and RAM seen. `auto`
+sends each task where its expected finish is earliest:
+
+    expected finish on a device class = queued work ahead / slots that serve it
+                                        + cold start (where no warm process is ready)
+                                        + its own run time
+
+and says so in `routing.reason` (`gpu queue 41 s + run 0.2 s > cpu run 2 s`). With no history for both
+device classes it behaves like `prefer`. Pure: the controller gathers the facts (`Backlog`) and asks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from turnout.models import Device, Worker
+
+GPU_MEMORY_HEADROOM = 1.25  # a learned gpu_memory is the observed peak plus a quarter
+
+
+@dataclass(frozen=True)
+class Profile:
+    capability: str
+    device: str  # cpu or gpu
+    gpu_model: str | None
+    samples: int
+    run_s: float
+    cold_start_s: float | None = None
+    peak_gpu_memory_bytes: int | None = None
+    peak_rss_bytes: int | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        return {"device": self.device, "gpu_model": self.gpu_model, "samples": self.samples,
+                "run_s": round(self.run_s, 6), "cold_start_s": None if self.cold_start_s is None else round(self.cold_start_s, 6),
+                "peak_gpu_memory_bytes": self.peak_gpu_memory_bytes, "peak_rss_bytes": self.peak_rss_bytes}  # fmt: skip
+
+
+def learned_gpu_memory(profiles: Iterable[Profile]) -> int | None:
+    """The gpu_memory a GPU variant that declares none gets: its largest observed peak, with headroom."""
+    peaks = [p.peak_gpu_memory_bytes for p in profiles if p.device == "gpu" and p.peak_gpu_memory_bytes]
+    return int(max(peaks) * GPU_MEMORY_HEADROOM) if peaks else None
+
+
+def pick(
+    profiles: Sequence[Profile], capability: str, device: str, gpu_model: str | None = None
+) -> Profile | None:
+    """The profile for a device class: the given GPU model's when known, else the one with most samples."""
+    mine = [p for p in profiles if p.capability == capability and p.device == device]
+    if gpu_model:
+        exact = [p for p in mine if p.gpu_model and p.gpu_model.lower() == gpu_model.lower()]
+        if exact:
+            return exact[0]
+    return max(mine, key=lambda p: p.samples, default=None)
+
+
+@dataclass(frozen=True)
+class Side:
+    """One device class as `auto` sees it for one task."""
+
+    profile: Profile | None
+    work_ahead_s: float = 0.0  # expected seconds of the tasks ahead that only (or first) this class serves
+    slots: int = 1  # tasks this class serves at once, across healthy workers offering the variant
+    warm: bool = True  # a warm process of the variant is ready somewhere
+
+    def finish_s(self) -> float | None:
+        if self.profile is None:
+            return None
+        cold = 0.0 if self.warm else (self.profile.cold_start_s or 0.0)
+        return self.work_ahead_s / max(1, self.slots) + cold + self.profile.run_s
+
+    def queue_s(self) -> float:
+        return self.work_ahead_s / max(1, self.slots)
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    device: Device
+    reason: str
+
+
+def choose(cpu: Side, gpu: Side) -> AutoChoice | None:
+    """The device class with the earliest expected finish, with the numbers; None without history for both."""
+    cpu_s, gpu_s = cpu.finish_s(), gpu.finish_s()
+    if cpu_s is None or gpu_s is None or cpu.profile is None or gpu.profile is None:
+        return None
+    gpu_text = _side_text("gpu", gpu)
+    cpu_text = _side_text("cpu", cpu)
+    if gpu_s <= cpu_s:
+        return AutoChoice(Device.GPU, f"{gpu_text} <= {cpu_text}")
+    return AutoChoice(Device.CPU, f"{gpu_text} > {cpu_text}")
+
+
+def _side_text(name: str, side: Side) -> str:
+    assert side.profile is not None
+    parts = []
+    if side.queue_s() >= 0.05:
+        parts.append(f"queue {_s(side.queue_s())}")
+    if not side.warm and side.profile.cold_start_s:
+        parts.append(f"cold start {_s(side.profile.cold_start_s)}")
+    parts.append(f"run {_s(side.profile.run_s)}")
+    return f"{name} " + " + ".join(parts)
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.2g} s"
+
+
+DEFAULT_RUN_S = (
+    1.0  # the expected run of a task whose capability has no profile yet, when counting work ahead
+)
+WARM_SETTLE_S = 0.5  # how long a task waits for a worker with a warm process before a cold one takes it
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """What `auto` and warm affinity need to know of the cluster, gathered once per lease request."""
+
+    profiles: tuple[Profile, ...]
+    workers: tuple[Worker, ...]  # healthy ones
+    active: tuple[tuple[str, str, int], ...]  # (capability, device, count) leased or running
+    queued: tuple[tuple[str, str, int], ...]  # (capability, gpu mode, count) queued
+
+    def run_s(self, capability: str, device: str) -> float:
+        found = pick(self.profiles, capability, device)
+        return found.run_s if found else DEFAULT_RUN_S
+
+    def side(self, capability: str, device: Device) -> Side:
+        d = device.value
+        bound = "require" if device is Device.GPU else "never"
+        ahead = sum(n * self.run_s(cap, d) for cap, dev, n in self.active if dev == d)
+        ahead += sum(n * self.run_s(cap, d) for cap, mode, n in self.queued if mode == bound)
+        slots = 0
+        warm = False
+        for w in self.workers:
+            variant = w.offers(capability).get(device)
+            if variant is None:
+                continue
+            if device is Device.GPU:
+                slots += max(1, len(w.gpus))
+            else:
+                slots += max(1, int(w.cpu / variant.resources.cpu) if variant.resources.cpu > 0 else 1)
+            warm = warm or warm_processes(w, capability, device) > 0
+        return Side(pick(self.profiles, capability, d), ahead, max(1, slots), warm)
+
+
+def warm_processes(worker: Worker, capability: str, device: Device) -> int:
+    """Processes with the variant's model loaded (busy or idle) that the worker reported at its last heartbeat."""
+    pools = (worker.metrics or {}).get("pools") or {}
+    entry = pools.get(f"{capability}:{device.value}") if isinstance(pools, dict) else None
+    warm = entry.get("loaded") if isinstance(entry, dict) else None
+    return warm if isinstance(warm, int) and not isinstance(warm, bool) else 0
+
+
+def leave_for_warm(
+    here: Worker, others: Sequence[Worker], capability: str, device: Device, waited_s: float
+) -> bool:
+    """Warm affinity: whether a worker with no warm process for the variant should leave the task a moment for
+    one that has (its model loaded). Bounded by WARM_SETTLE_S, so a stale report never strands a task."""
+    if waited_s >= WARM_SETTLE_S or warm_processes(here, capability, device) > 0:
+        return False
+    return any(w.id != here.id and device in w.offers(capability) and warm_processes(w, capability, device) > 0
+               for w in others)  # fmt: skip

@@ -1,0 +1,141 @@
+"""Pipeline runs and routing profiles in the same database as tasks, through the same connections.
+
+Kept apart from `sql.py` (tasks, workers, tokens) because they are another idea; every method joins the
+caller's `group()` transaction when there is one, so a stage's result and the next stage's task are one commit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import sqlalchemy as sa
+
+from turnout.models import GpuMode
+from turnout.pipelines import PipelineRun, RunState, Stage
+from turnout.profiles import Profile
+from turnout.store import schema
+from turnout.store.sql import SqlStore
+
+R = schema.pipeline_runs
+P = schema.profiles
+EWMA = 0.3  # weight of the newest sample in a profile's moving averages: recent behaviour counts most
+
+
+class RunStore:
+    def __init__(self, store: SqlStore) -> None:
+        self.store = store
+
+    # ---- runs --------------------------------------------------------------------------------
+
+    def insert_run(self, run: PipelineRun) -> None:
+        with self.store._write() as conn:
+            conn.execute(R.insert().values(**_run_row(run)))
+
+    def get_run(self, run_id: str) -> PipelineRun | None:
+        with self.store._read() as conn:
+            row = conn.execute(sa.select(R).where(R.c.id == run_id)).first()
+        return _run(row) if row else None
+
+    def get_runs(self, run_ids: Sequence[str]) -> list[PipelineRun]:
+        if not run_ids:
+            return []
+        with self.store._read() as conn:
+            return [_run(r) for r in conn.execute(sa.select(R).where(R.c.id.in_(list(run_ids))))]
+
+    def list_runs(self, *, tenant: str | None, state: str | None = None, limit: int = 50,
+                  cursor: str | None = None) -> list[PipelineRun]:  # fmt: skip
+        query = sa.select(R).order_by(R.c.id.desc()).limit(limit)
+        if tenant is not None:
+            query = query.where(R.c.tenant == tenant)
+        if state:
+            query = query.where(R.c.state == state)
+        if cursor:
+            query = query.where(R.c.id < cursor)
+        with self.store._read() as conn:
+            return [_run(r) for r in conn.execute(query)]
+
+    def running_runs(self, limit: int = 1000) -> list[PipelineRun]:
+        with self.store._read() as conn:
+            query = sa.select(R).where(R.c.state == RunState.RUNNING.value).order_by(R.c.id).limit(limit)
+            return [_run(r) for r in conn.execute(query)]
+
+    def update_run(self, run_id: str, expect_tasks: int, values: dict[str, Any]) -> bool:
+        """Change a running run whose task list still has `expect_tasks` entries (so two controllers, or a
+        result and the sweep, never both queue the next stage)."""
+        values = {k: (v.value if isinstance(v, RunState) else v) for k, v in values.items()}
+        if "task_ids" in values:
+            values["task_ids"] = list(values["task_ids"])
+        with self.store._write() as conn:
+            query = R.update().where(R.c.id == run_id, R.c.state == RunState.RUNNING.value)
+            row = conn.execute(sa.select(R.c.task_ids).where(R.c.id == run_id)).first()
+            if row is None or len(row[0] or []) != expect_tasks:
+                return False
+            return bool(conn.execute(query.values(**values)).rowcount)
+
+    def cost_by_tenant(self) -> list[tuple[str, str, float]]:
+        """(capability, tenant, summed cost_usd) over every priced task: one grouped scan."""
+        T = schema.tasks
+        query = (
+            sa.select(T.c.capability, T.c.tenant, sa.func.sum(T.c.cost_usd))
+            .where(T.c.cost_usd.is_not(None))
+            .group_by(T.c.capability, T.c.tenant)
+        )
+        with self.store._read() as conn:
+            return [(c, t, float(v or 0.0)) for c, t, v in conn.execute(query)]
+
+    def run_counts(self) -> list[tuple[str, str, int]]:
+        """(pipeline, state, runs)."""
+        query = sa.select(R.c.pipeline, R.c.state, sa.func.count()).group_by(R.c.pipeline, R.c.state)
+        with self.store._read() as conn:
+            return [(p, s, int(n)) for p, s, n in conn.execute(query)]
+
+    # ---- profiles ----------------------------------------------------------------------------
+
+    def record_profile(self, capability: str, device: str, gpu_model: str | None, *, run_s: float,
+                       cold_start_s: float | None, peak_gpu_memory_bytes: int | None, peak_rss_bytes: int | None,
+                       now: float) -> None:  # fmt: skip
+        """Fold one finished task into its (capability, device, GPU model) profile."""
+        key = (P.c.capability == capability, P.c.device == device, P.c.gpu_model == (gpu_model or ""))
+        with self.store._write() as conn:
+            row = conn.execute(sa.select(P).where(*key)).first()
+            if row is None:
+                conn.execute(P.insert().values(capability=capability, device=device, gpu_model=gpu_model or "",
+                                               samples=1, run_s=run_s, cold_start_s=cold_start_s,
+                                               peak_gpu_memory_bytes=peak_gpu_memory_bytes,
+                                               peak_rss_bytes=peak_rss_bytes, updated_at=now))  # fmt: skip
+                return
+            cold = row.cold_start_s
+            if cold_start_s is not None:
+                cold = cold_start_s if cold is None else (1 - EWMA) * cold + EWMA * cold_start_s
+            conn.execute(P.update().where(*key).values(
+                samples=row.samples + 1, run_s=(1 - EWMA) * row.run_s + EWMA * run_s, cold_start_s=cold,
+                peak_gpu_memory_bytes=_max(row.peak_gpu_memory_bytes, peak_gpu_memory_bytes),
+                peak_rss_bytes=_max(row.peak_rss_bytes, peak_rss_bytes), updated_at=now))  # fmt: skip
+
+    def profiles(self) -> list[Profile]:
+        with self.store._read() as conn:
+            return [Profile(r.capability, r.device, r.gpu_model or None, r.samples, r.run_s, r.cold_start_s,
+                            r.peak_gpu_memory_bytes, r.peak_rss_bytes) for r in conn.execute(sa.select(P))]  # fmt: skip
+
+
+def _max(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+def _run_row(run: PipelineRun) -> dict[str, Any]:
+    return {
+        "id": run.id, "tenant": run.tenant, "pipeline": run.pipeline, "state": run.state.value, "input": run.input,
+        "gpu_mode": run.gpu.value if run.gpu else None, "stages": [s.to_dict() for s in run.stages],
+        "task_ids": list(run.task_ids), "output": run.output, "error": run.error, "created_at": run.created_at,
+        "finished_at": run.finished_at,
+    }  # fmt: skip
+
+
+def _run(r: Any) -> PipelineRun:
+    return PipelineRun(
+        id=r.id, tenant=r.tenant, pipeline=r.pipeline, state=RunState(r.state), input=r.input or {},
+        gpu=GpuMode(r.gpu_mode) if r.gpu_mode else None, stages=tuple(Stage.from_dict(s) for s in r.stages),
+        task_ids=tuple(r.task_ids or ()), created_at=r.created_at, output=r.output, error=r.error,
+        finished_at=r.finished_at,
+    )  # fmt: skip
