@@ -60,11 +60,16 @@ def test_a_scrub_command_that_does_not_exist_fails_clearly() -> None:
     assert not result.ok and "'/nonexistent/scrubber' cannot run" in result.message
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="torch is installed here")
-def test_the_builtin_scrub_without_torch_fails_saying_so() -> None:
-    assert scrub_argv(BUILTIN) == "the builtin scrub needs torch, which is not installed on this worker"
-    result = asyncio.run(run_scrub(BUILTIN, "GPU-0"))
-    assert not result.ok and "needs torch" in result.message
+def test_the_builtin_scrub_on_a_host_without_a_gpu_fails_saying_why() -> None:
+    # where torch is missing the step cannot start; where it is there (make test installs the CPU build) it
+    # finds no CUDA device: either way the GPU is not reported clean
+    result = asyncio.run(run_scrub(BUILTIN, "GPU-0", timeout_s=120))
+    assert not result.ok
+    if importlib.util.find_spec("torch") is None:
+        assert scrub_argv(BUILTIN) == "the builtin scrub needs torch, which is not installed on this worker"
+        assert "needs torch" in result.message
+    else:
+        assert "torch sees no CUDA device" in result.message, result.message
 
 
 def test_a_device_quarantined_for_a_failed_scrub_stays_out_until_its_canary_passes() -> None:
