@@ -19,7 +19,7 @@ from typing import Any
 from turnout.access import ALL_TENANTS, WORKER_SECRET_HEADER, Principal, check_grant, visible
 from turnout.errors import Forbidden, NotFound, Unauthorized
 from turnout.models import Role
-from turnout.store import SqlStore
+from turnout.store.base import Store
 
 TOKEN_PREFIX = "tnt_"
 WORKER_SECRET_PREFIX = "tws_"
@@ -40,7 +40,7 @@ class TokenBook:
 
     CACHE_S = 5.0
 
-    def __init__(self, store: SqlStore) -> None:
+    def __init__(self, store: Store) -> None:
         self.store = store
         self._cache: dict[str, tuple[float, Principal | None]] = {}
 
@@ -122,7 +122,7 @@ class WorkerCredential:
 class WorkerKeys:
     """Issues and checks worker secrets. Credentials never change, so they are cached for good."""
 
-    def __init__(self, store: SqlStore) -> None:
+    def __init__(self, store: Store) -> None:
         self.store = store
         self._cache: dict[str, WorkerCredential] = {}
 

@@ -41,8 +41,7 @@ from turnout.models import (
     WorkerState,
 )
 from turnout.routing import ClusterView, Route, WorkerOffer, route, servable
-from turnout.store import SqlStore
-from turnout.store.files import FileRecords
+from turnout.store import Store
 from turnout.tenancy import TenantBuckets, fair_order, gpu_allocation_rule, round_robin
 
 log = logging.getLogger("turnout.controller")
@@ -111,7 +110,7 @@ def _auto_route(
 
 class Controller:
     def __init__(
-        self, store: SqlStore, settings: ControllerSettings, *, clock: Callable[[], float] = time.time
+        self, store: Store, settings: ControllerSettings, *, clock: Callable[[], float] = time.time
     ) -> None:
         self.store = store
         self.settings = settings
@@ -201,7 +200,7 @@ class Controller:
                 for path, file_id in refs_in(spec.input)]  # fmt: skip
         if not refs:
             return
-        owned = FileRecords(self.store).owned({file_id for _, file_id in refs}, tenant)
+        owned = self.store.files.owned({file_id for _, file_id in refs}, tenant)
         for path, file_id in refs:
             if file_id not in owned:
                 raise InvalidInput(f"{path}: no file {file_id!r} (upload it with POST /v1/files or "

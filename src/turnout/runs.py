@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from turnout.errors import Conflict, InvalidInput, NotFound
 from turnout.models import GpuMode, Task, TaskSpec, TaskState
 from turnout.pipelines import Pipeline, PipelineRun, RunState, Stage, next_step, stage_gpu, stage_input
-from turnout.store.runs import RunStore
+from turnout.store.base import RunRecords
 
 if TYPE_CHECKING:
     from turnout.controller import Controller
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 class PipelineRuns:
     def __init__(self, controller: Controller) -> None:
         self.ctrl = controller
-        self.store = RunStore(controller.store)
+        self.store: RunRecords = controller.store.runs
         self.stages_queued = 0  # stages queued since last asked (`take_queued`): lease polls should wake
 
     def pipeline(self, name: str) -> Pipeline:

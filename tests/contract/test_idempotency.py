@@ -17,10 +17,8 @@ import sqlalchemy as sa
 from tests.contract import test_store as contract
 from turnout.errors import IdempotencyConflict
 from turnout.models import Task
-from turnout.store import SqlStore, open_store
+from turnout.store import SqlStore, Store, open_store
 from turnout.store.sql import normalise_url
-
-store = contract.store  # the same fixture: SQLite on a real file, and PostgreSQL
 
 
 def _keyed(i: int, key: str, n: int | None = None, tenant: str = "default") -> Task:
@@ -29,18 +27,18 @@ def _keyed(i: int, key: str, n: int | None = None, tenant: str = "default") -> T
     return replace(task, spec=replace(task.spec, input={"n": i if n is None else n}))
 
 
-def _rows(store: SqlStore) -> int:
+def _rows(store: Store) -> int:
     return len(store.list_tasks(tenant=None, limit=1000))
 
 
-def test_the_same_request_under_a_key_answers_the_first_task_and_stores_nothing(store: SqlStore) -> None:
+def test_the_same_request_under_a_key_answers_the_first_task_and_stores_nothing(store: Store) -> None:
     first = store.insert_tasks([_keyed(1, "k", n=7)])[0]
     again = store.insert_tasks([_keyed(2, "k", n=7)])[0]
     assert again == first
     assert _rows(store) == 1
 
 
-def test_another_request_under_a_taken_key_is_a_conflict_and_its_batch_is_not_stored(store: SqlStore) -> None:
+def test_another_request_under_a_taken_key_is_a_conflict_and_its_batch_is_not_stored(store: Store) -> None:
     first = store.insert_tasks([_keyed(1, "k", n=7)])[0]
     with pytest.raises(IdempotencyConflict) as caught:
         store.insert_tasks([_keyed(2, "fresh"), _keyed(3, "k", n=8)])
@@ -49,7 +47,7 @@ def test_another_request_under_a_taken_key_is_a_conflict_and_its_batch_is_not_st
     assert store.get_task("t_000002") is None
 
 
-def test_a_key_repeated_within_one_batch_follows_the_same_rule(store: SqlStore) -> None:
+def test_a_key_repeated_within_one_batch_follows_the_same_rule(store: Store) -> None:
     same = store.insert_tasks([_keyed(1, "k", n=1), _keyed(2, "k", n=1)])
     assert [t.id for t in same] == ["t_000001", "t_000001"]
     with pytest.raises(IdempotencyConflict) as caught:
@@ -57,14 +55,14 @@ def test_a_key_repeated_within_one_batch_follows_the_same_rule(store: SqlStore) 
     assert caught.value.index == 1
 
 
-def test_keys_belong_to_their_tenant(store: SqlStore) -> None:
+def test_keys_belong_to_their_tenant(store: Store) -> None:
     ours = store.insert_tasks([_keyed(1, "k", n=1)])[0]
     theirs = store.insert_tasks([_keyed(2, "k", n=2, tenant="acme")])[0]
     assert theirs.id != ours.id
     assert theirs.tenant == "acme"
 
 
-def test_capabilities_once_remembered_stay_known(store: SqlStore) -> None:
+def test_capabilities_once_remembered_stay_known(store: Store) -> None:
     assert store.known_capabilities() == set()
     store.remember_capabilities(["shout", "count"], time.time())
     store.remember_capabilities(["shout", "classify"], time.time())  # again: no duplicate, no error
@@ -153,8 +151,17 @@ def test_a_different_request_that_loses_the_race_on_a_key_is_a_conflict(pg_store
     assert _rows(pg_store) == 1
 
 
-@pytest.mark.postgres
-def test_many_concurrent_submits_of_one_request_make_one_task(pg_store: SqlStore) -> None:
+@pytest.fixture(params=[pytest.param("postgres", marks=pytest.mark.postgres), "memory"])
+def concurrent_store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    """A store several threads write at once: PostgreSQL (as several controllers do), and the memory store."""
+    if request.param == "memory":
+        yield open_store("memory://")
+        return
+    yield request.getfixturevalue("pg_store")
+
+
+def test_many_concurrent_submits_of_one_request_make_one_task(concurrent_store: Store) -> None:
+    pg_store = concurrent_store
     start = threading.Barrier(8)
     answers: list[Task | BaseException] = []
 

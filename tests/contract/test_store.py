@@ -1,62 +1,17 @@
-"""One suite over every store backend: SQLite (a real file) and PostgreSQL (a fresh database per test).
-
-PostgreSQL is `TURNOUT_TEST_POSTGRES` (default postgresql://postgres@127.0.0.1:5432/test); where none
-answers, its cases are skipped with the reason, except under CI=true, where a missing PostgreSQL fails.
-"""
+"""One suite over every store backend: SQLite, PostgreSQL and memory (the `store` fixture, conftest.py)."""
 
 from __future__ import annotations
 
-import os
-import secrets
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import sqlalchemy as sa
 
+from tests.contract.conftest import PG_URL, _fresh_pg_database  # noqa: F401 (tests/pg.py reads them here)
 from turnout.models import Device, GpuMode, Task, TaskSpec, TaskState, Variant, Worker, WorkerState
 from turnout.resources import parse_resources
-from turnout.store import SqlStore, open_store
-from turnout.store.sql import normalise_url
-
-PG_URL = os.environ.get("TURNOUT_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test")
-
-
-def _fresh_pg_database() -> tuple[str, str]:
-    """Create an empty database next to the configured one; returns (its url, admin url)."""
-    admin = sa.create_engine(normalise_url(PG_URL), isolation_level="AUTOCOMMIT")
-    name = f"turnout_test_{secrets.token_hex(4)}"
-    try:
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    except sa.exc.OperationalError as exc:
-        admin.dispose()
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"PostgreSQL at {PG_URL} does not answer under CI=true: {exc}")
-        pytest.skip(f"no PostgreSQL at {PG_URL}: {exc.orig}")
-    admin.dispose()
-    return PG_URL.rsplit("/", 1)[0] + f"/{name}", name
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SqlStore]:
-    if request.param == "sqlite":
-        s = open_store(f"sqlite:///{tmp_path / 'store.db'}")
-        yield s
-        s.close()
-        return
-    url, name = _fresh_pg_database()
-    s = open_store(url)
-    try:
-        yield s
-    finally:
-        s.close()
-        admin = sa.create_engine(normalise_url(PG_URL), isolation_level="AUTOCOMMIT")
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+from turnout.store import MemoryStore, SqlStore, Store, open_store
 
 
 def _task(i: int, key: str | None = None, tenant: str = "default", priority: int = 0) -> Task:
@@ -68,13 +23,13 @@ def _task(i: int, key: str | None = None, tenant: str = "default", priority: int
     )
 
 
-def test_inserted_tasks_read_back_identically(store: SqlStore) -> None:
+def test_inserted_tasks_read_back_identically(store: Store) -> None:
     t = _task(1)
     store.insert_tasks([t])
     assert store.get_task(t.id) == t
 
 
-def test_idempotency_key_yields_the_stored_task_per_tenant(store: SqlStore) -> None:
+def test_idempotency_key_yields_the_stored_task_per_tenant(store: Store) -> None:
     first = store.insert_tasks([_task(1, key="k")])[0]
     # the same request again (another one under the key is a conflict: test_idempotency.py)
     same_request = replace(_task(2, key="k"), spec=first.spec)
@@ -83,7 +38,7 @@ def test_idempotency_key_yields_the_stored_task_per_tenant(store: SqlStore) -> N
     assert again[1].id == "t_000003"
 
 
-def test_conditional_updates_apply_once(store: SqlStore) -> None:
+def test_conditional_updates_apply_once(store: Store) -> None:
     store.insert_tasks([_task(1)])
     lease = ("t_000001", (TaskState.QUEUED,), 0, {"state": TaskState.LEASED, "attempts": 1, "worker_id": "w"})
     assert store.update_tasks([lease]) == ["t_000001"]
@@ -100,12 +55,12 @@ def test_conditional_updates_apply_once(store: SqlStore) -> None:
     assert store.get_task("t_000001").output == {"ok": 1}
 
 
-def test_queue_order_is_priority_then_age(store: SqlStore) -> None:
+def test_queue_order_is_priority_then_age(store: Store) -> None:
     store.insert_tasks([_task(1), _task(2, priority=5), _task(3)])
     assert [t.id for t in store.queued_tasks(["cap"])] == ["t_000002", "t_000001", "t_000003"]
 
 
-def test_listing_pages_newest_first(store: SqlStore) -> None:
+def test_listing_pages_newest_first(store: Store) -> None:
     store.insert_tasks([_task(i) for i in range(5)])
     page = store.list_tasks(tenant="default", limit=2)
     assert [t.id for t in page] == ["t_000004", "t_000003"]
@@ -116,7 +71,7 @@ def test_listing_pages_newest_first(store: SqlStore) -> None:
     ]
 
 
-def test_workers_round_trip(store: SqlStore) -> None:
+def test_workers_round_trip(store: Store) -> None:
     w = Worker(id="w_1", name="n", host="h", state=WorkerState.HEALTHY,
                variants=(Variant("cap", Device.GPU, parse_resources({"gpu": 1})),), cpu=2.0, memory_bytes=2**30,
                gpus=({"index": 0, "uuid": "GPU-x", "name": "X", "memory_total_bytes": 2**30},), strategy="pack",
@@ -127,7 +82,7 @@ def test_workers_round_trip(store: SqlStore) -> None:
     assert not store.update_worker("w_1", (WorkerState.HEALTHY,), state="draining")
 
 
-def test_events_get_per_task_sequence_numbers(store: SqlStore) -> None:
+def test_events_get_per_task_sequence_numbers(store: Store) -> None:
     store.append_events(
         [("a", 1.0, {"event": "log"}), ("b", 1.0, {"event": "log"}), ("a", 2.0, {"event": "text"})]
     )
@@ -137,7 +92,19 @@ def test_events_get_per_task_sequence_numbers(store: SqlStore) -> None:
     assert store.last_event_seq("b") == 1
 
 
-def test_migrations_are_recorded_and_idempotent(store: SqlStore) -> None:
-    again = SqlStore(store.url)
-    assert again.schema_version == store.schema_version >= 1
+def test_migrations_are_recorded_and_idempotent(sql_store: SqlStore) -> None:
+    again = SqlStore(sql_store.url)
+    assert again.schema_version == sql_store.schema_version >= 1
     again.close()
+
+
+def test_open_store_picks_the_backend_by_url_and_names_the_field_of_a_bad_one(tmp_path: Path) -> None:
+    from turnout.errors import InvalidInput
+
+    assert isinstance(open_store("memory://"), MemoryStore)
+    sqlite = open_store(f"sqlite:///{tmp_path / 'x.db'}")
+    assert isinstance(sqlite, SqlStore) and sqlite.dialect == "sqlite"
+    sqlite.close()
+    with pytest.raises(InvalidInput) as caught:
+        open_store("mysql://somewhere/db")
+    assert caught.value.field == "db" and "memory://" in str(caught.value)

@@ -5,20 +5,20 @@ from __future__ import annotations
 import pytest
 import sqlalchemy as sa
 
-from tests.contract.test_store import _task, store  # noqa: F401 (the fixture, one per backend)
+from tests.contract.test_store import _task
 from turnout.models import TaskState
-from turnout.store import SqlStore
+from turnout.store import SqlStore, Store
 from turnout.store.migrations import MIGRATIONS, migrate
 
 
-def test_queued_tenants_are_those_with_queued_tasks_only(store: SqlStore) -> None:  # noqa: F811
+def test_queued_tenants_are_those_with_queued_tasks_only(store: Store) -> None:
     store.insert_tasks([_task(1, tenant="acme"), _task(2, tenant="acme"), _task(3, tenant="globex"),
                         _task(4, tenant="initech")])  # fmt: skip
     store.update_tasks([("t_000004", (TaskState.QUEUED,), None, {"state": TaskState.CANCELLED})])
     assert store.queued_tenants() == ["acme", "globex"]
 
 
-def test_a_tenants_queue_holds_only_its_tasks_in_priority_then_age_order(store: SqlStore) -> None:  # noqa: F811
+def test_a_tenants_queue_holds_only_its_tasks_in_priority_then_age_order(store: Store) -> None:
     store.insert_tasks(
         [_task(1, tenant="acme"), _task(2, tenant="globex"), _task(3, tenant="acme", priority=5)]
     )
@@ -27,7 +27,7 @@ def test_a_tenants_queue_holds_only_its_tasks_in_priority_then_age_order(store: 
     assert [t.id for t in store.queued_tasks(["cap"], tenant="nobody")] == []
 
 
-def test_gpu_use_counts_only_active_tasks_that_hold_gpus(store: SqlStore) -> None:  # noqa: F811
+def test_gpu_use_counts_only_active_tasks_that_hold_gpus(store: Store) -> None:
     store.insert_tasks([_task(i, tenant="acme") for i in range(3)] + [_task(3, tenant="globex")])
     grant = {"uuids": ["GPU-0"], "indices": [0], "memory_bytes": 0, "exclusive": True}
     store.update_tasks([
@@ -39,7 +39,7 @@ def test_gpu_use_counts_only_active_tasks_that_hold_gpus(store: SqlStore) -> Non
     assert store.gpu_use_by_tenant() == {"acme": 1.25}
 
 
-def test_tokens_list_by_tenant_without_their_hashes(store: SqlStore) -> None:  # noqa: F811
+def test_tokens_list_by_tenant_without_their_hashes(store: Store) -> None:
     store.insert_token("k_1", "h1", "admin", "*", 1.0)
     store.insert_token("k_2", "h2", "submit", "acme", 2.0)
     store.insert_token("k_3", "h3", "read", "globex", 3.0)
@@ -49,7 +49,7 @@ def test_tokens_list_by_tenant_without_their_hashes(store: SqlStore) -> None:  #
     ]
 
 
-def test_a_worker_credential_is_written_once_and_read_back(store: SqlStore) -> None:  # noqa: F811
+def test_a_worker_credential_is_written_once_and_read_back(store: Store) -> None:
     store.insert_worker_credential("w_1", "hash", "k_1", "acme", 1.0)
     store.insert_worker_credential("w_2", "hash2", "k_2", "*", 1.0)
     assert store.get_worker_credential("w_1") == {"worker_id": "w_1", "secret_hash": "hash", "token_id": "k_1",
@@ -61,7 +61,7 @@ def test_a_worker_credential_is_written_once_and_read_back(store: SqlStore) -> N
     assert store.get_worker_credential("w_1")["secret_hash"] == "hash"  # type: ignore[index]
 
 
-def test_audit_filters_by_tenant_kind_time_and_pages_by_id(store: SqlStore) -> None:  # noqa: F811
+def test_audit_filters_by_tenant_kind_time_and_pages_by_id(store: Store) -> None:
     store.append_audit([(1.0, "gpu_allocated", "acme", {"n": 1}), (2.0, "gpu_released", "acme", {"n": 2}),
                         (3.0, "gpu_allocated", "globex", {"n": 3}), (4.0, "worker_lost", None, {"n": 4})])  # fmt: skip
     assert [r["body"]["n"] for r in store.list_audit(tenant="acme")] == [1, 2]
@@ -71,7 +71,8 @@ def test_audit_filters_by_tenant_kind_time_and_pages_by_id(store: SqlStore) -> N
     assert [r["body"]["n"] for r in store.list_audit(after_id=first[-1]["id"])] == [3, 4]
 
 
-def test_upgrading_makes_the_old_default_admin_the_operator_and_no_one_else(store: SqlStore) -> None:  # noqa: F811
+def test_upgrading_makes_the_old_default_admin_the_operator_and_no_one_else(sql_store: SqlStore) -> None:
+    store = sql_store
     store.insert_token("k_old", "h1", "admin", "default", 1.0)
     store.insert_token("k_acme", "h2", "admin", "acme", 1.0)
     store.insert_token("k_sub", "h3", "submit", "default", 1.0)

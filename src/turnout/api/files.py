@@ -43,7 +43,8 @@ from turnout.auth import WorkerCredential
 from turnout.errors import Conflict, InvalidInput, NotFound, StorageUnavailable
 from turnout.files import SHA256_HEADER, refs_in
 from turnout.models import ACTIVE_STATES, Task
-from turnout.store.files import CHUNK_BYTES, FILE_ID, Blobs, BlobWriter, FileRecord, FileRecords, new_file_id
+from turnout.store.base import FileRecordStore
+from turnout.store.files import CHUNK_BYTES, FILE_ID, Blobs, BlobWriter, FileRecord, new_file_id
 from turnout.store.replicas import claim_sweep
 
 log = logging.getLogger("turnout.api")
@@ -79,7 +80,7 @@ def install(
         return  # a controller built without storage (some tests): no file routes
     blobs = Blobs(settings.storage_dir)
     blobs.ensure()
-    records = FileRecords(service.controller.store)
+    records = service.controller.store.files
     api = APIRouter(route_class=StrictJsonRoute)
     limits = settings.request_limits
 
@@ -370,7 +371,7 @@ def _stat(blobs: Blobs, file_id: str) -> Any:
         return None
 
 
-async def _expire_forever(service: Service, records: FileRecords, blobs: Blobs) -> None:
+async def _expire_forever(service: Service, records: FileRecordStore, blobs: Blobs) -> None:
     """Delete expired files: records first (one replica per round), then their bytes; and stale tmp/ files."""
     settings = service.controller.settings
     interval_s = min(60.0, max(0.5, settings.file_retention_s / 4)) if settings.file_retention_s else 60.0

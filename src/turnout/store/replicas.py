@@ -31,6 +31,7 @@ from collections.abc import Callable
 import sqlalchemy as sa
 
 from turnout.store import schema
+from turnout.store.base import Store
 from turnout.store.sql import SqlStore
 
 log = logging.getLogger("turnout.replicas")
@@ -91,10 +92,10 @@ class DbClock:
                 log.debug("could not read the database's clock: %s", exc)
 
 
-def clock_for(store: SqlStore) -> Clock:
+def clock_for(store: Store) -> Clock:
     """The clock a controller on `store` judges by: the database's on PostgreSQL, the local one on SQLite
     (one controller per SQLite file, so there is nobody to disagree with)."""
-    if store.dialect != "postgresql":
+    if not isinstance(store, SqlStore) or store.dialect != "postgresql":
         return time.time
     clock = DbClock(store.engine)
     clock.start()
@@ -104,7 +105,7 @@ def clock_for(store: SqlStore) -> Clock:
     return clock
 
 
-def claim_sweep(store: SqlStore, name: str, holder: str, now: float, interval_s: float) -> bool:
+def claim_sweep(store: Store, name: str, holder: str, now: float, interval_s: float) -> bool:
     """Whether this replica (`holder`) runs sweep `name` now: nobody ran it in the last ~interval.
 
     Runs in the caller's transaction (inside `SqlStore.group()`): if the sweep's transaction is lost, so
@@ -112,7 +113,7 @@ def claim_sweep(store: SqlStore, name: str, holder: str, now: float, interval_s:
     SQLite has one controller per file: every claim is granted, with no write (an idle controller's sweep
     must not cost a commit, an fsync, twice a second).
     """
-    if store.dialect != "postgresql":
+    if not isinstance(store, SqlStore) or store.dialect != "postgresql":
         return True
     sw = schema.sweeps
     due = now - interval_s * 0.9
@@ -136,10 +137,10 @@ ANALYZE_MIN_CHANGES = 1000  # rows changed since the last ANALYZE before the tas
 ANALYZE_FRACTION = 0.2  # ... and at least this share of its live rows
 
 
-def refresh_statistics(store: SqlStore) -> bool:
+def refresh_statistics(store: Store) -> bool:
     """ANALYZE the tasks table if it changed much since its statistics were taken (PostgreSQL only);
     returns whether it did. Runs on a connection of its own (call it off the database thread)."""
-    if store.dialect != "postgresql":
+    if not isinstance(store, SqlStore) or store.dialect != "postgresql":
         return False
     with store.engine.connect() as conn:
         row = conn.exec_driver_sql(

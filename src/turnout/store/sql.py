@@ -15,7 +15,7 @@ import sqlite3
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -35,6 +35,10 @@ from turnout.models import (
 from turnout.resources import parse_resources
 from turnout.store import schema
 from turnout.store.migrations import migrate
+
+if TYPE_CHECKING:
+    from turnout.store.files import FileRecords
+    from turnout.store.runs import RunStore
 
 T = schema.tasks
 W = schema.workers
@@ -122,6 +126,20 @@ class SqlStore:
 
     def close(self) -> None:
         self.engine.dispose()
+
+    @functools.cached_property
+    def runs(self) -> RunStore:
+        """Pipeline runs and routing profiles, in this store's transactions (`store/runs.py`)."""
+        from turnout.store.runs import RunStore
+
+        return RunStore(self)
+
+    @functools.cached_property
+    def files(self) -> FileRecords:
+        """File records, in this store's transactions (`store/files.py`)."""
+        from turnout.store.files import FileRecords
+
+        return FileRecords(self)
 
     @contextlib.contextmanager
     def group(self) -> Iterator[sa.Connection]:

@@ -1,0 +1,168 @@
+"""The queue and sweep half of the store contract, on every backend: what leases, the reaper and the
+placement-timeout clock read and write, and the counts metrics and the dashboard show."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tests.contract.test_store import _task
+from turnout.models import Device, GpuMode, Task, TaskSpec, TaskState
+from turnout.store import Store
+
+NO_CAPACITY = {"type": "no_capacity", "message": "nobody can"}
+
+
+def _plain(i: int, capability: str = "cap", gpu: GpuMode = GpuMode.PREFER, timeout_s: float = 10.0) -> Task:
+    """A task with no resource overrides and no retry history: one of a 'kind' the sweep judges in bulk."""
+    spec = TaskSpec(capability=capability, input={"n": i}, gpu=gpu, placement_timeout_s=timeout_s)
+    return Task(id=f"t_{i:06d}", tenant="default", spec=spec, state=TaskState.QUEUED, created_at=100.0 + i)
+
+
+def _lease(task_id: str, worker: str = "w", attempts: int = 0, **values: object) -> tuple:
+    return (task_id, (TaskState.QUEUED,), attempts, {"state": TaskState.LEASED, "attempts": attempts + 1,
+                                                     "worker_id": worker, **values})  # fmt: skip
+
+
+def test_a_change_in_a_batch_sees_the_changes_before_it(store: Store) -> None:
+    store.insert_tasks([_task(1)])
+    start = ("t_000001", (TaskState.LEASED,), 1, {"state": TaskState.RUNNING, "started_at": 5.0})
+    assert store.update_tasks([_lease("t_000001"), start]) == ["t_000001", "t_000001"]
+    task = store.get_task("t_000001")
+    assert task is not None and (task.state, task.attempts, task.started_at) == (TaskState.RUNNING, 1, 5.0)
+
+
+def test_a_change_to_a_missing_task_applies_to_nothing(store: Store) -> None:
+    assert store.update_tasks([_lease("t_404")]) == []
+
+
+def test_reading_on_widens_the_queue_window_up_to_widen_to(store: Store) -> None:
+    store.insert_tasks([_task(i) for i in range(6)])
+    assert len(list(store.queued_tasks(["cap"], limit=2))) == 2
+    assert len(list(store.queued_tasks(["cap"], limit=2, widen_to=4))) == 4
+    assert [t.id for t in store.queued_tasks(None, limit=2, widen_to=100)] == [f"t_{i:06d}" for i in range(6)]
+    assert list(store.queued_tasks(["other"])) == []
+
+
+def test_get_tasks_answers_each_existing_task_once(store: Store) -> None:
+    store.insert_tasks([_task(1), _task(2)])
+    assert sorted(t.id for t in store.get_tasks(["t_000002", "t_000001", "t_000002", "t_404"])) == [
+        "t_000001",
+        "t_000002",
+    ]
+    assert store.get_tasks([]) == []
+
+
+def test_listing_filters_by_tenant_state_and_capability(store: Store) -> None:
+    other = replace(_task(2, tenant="acme"), spec=replace(_task(2).spec, capability="other"))
+    store.insert_tasks([_task(1), other, _task(3)])
+    store.update_tasks([_lease("t_000003")])
+    assert [t.id for t in store.list_tasks(tenant=None)] == ["t_000003", "t_000002", "t_000001"]
+    assert [t.id for t in store.list_tasks(tenant="default")] == ["t_000003", "t_000001"]
+    assert [t.id for t in store.list_tasks(tenant=None, state="leased")] == ["t_000003"]
+    assert [t.id for t in store.list_tasks(tenant=None, capability="other")] == ["t_000002"]
+
+
+def test_active_tasks_are_the_leased_and_running_ones_of_the_workers_named(store: Store) -> None:
+    store.insert_tasks([_task(i) for i in range(4)])
+    store.update_tasks([_lease("t_000000", "a"), _lease("t_000001", "b"), _lease("t_000002", "a")])
+    store.update_tasks([("t_000002", (TaskState.LEASED,), 1, {"state": TaskState.SUCCEEDED})])
+    assert sorted(t.id for t in store.active_tasks()) == ["t_000000", "t_000001"]
+    assert [t.id for t in store.active_tasks(["a"])] == ["t_000000"]
+    assert store.active_tasks([]) == []
+    assert store.active_by_tenant() == {"default": 2}
+
+
+def test_queue_depths_count_unfinished_tasks_per_capability_and_state(store: Store) -> None:
+    store.insert_tasks([_task(1), _task(2), _task(3, tenant="acme"), _task(4)])
+    store.update_tasks([_lease("t_000002")])
+    store.update_tasks([("t_000004", (TaskState.QUEUED,), None, {"state": TaskState.CANCELLED})])
+    assert store.queue_depths() == {"cap": {"queued": 2, "leased": 1}}
+    assert store.queue_depths("acme") == {"cap": {"queued": 1}}
+
+
+def test_task_stats_group_counts_run_times_costs_and_buckets(store: Store) -> None:
+    store.insert_tasks([_task(i) for i in range(4)])
+    store.update_tasks([_lease(f"t_00000{i}", device=Device.CPU) for i in range(3)])
+    done = {"state": TaskState.SUCCEEDED}
+    store.update_tasks([
+        ("t_000000", (TaskState.LEASED,), 1, {**done, "run_s": 0.5, "cost_usd": 0.25}),
+        ("t_000001", (TaskState.LEASED,), 1, {**done, "run_s": 3.0, "cost_usd": 0.5}),
+        ("t_000002", (TaskState.LEASED,), 1, {**done}),
+    ])  # fmt: skip
+    rows = {(r["state"], r["device"]): r for r in store.task_stats(run_s_buckets=(1.0, 10.0))}
+    assert set(rows) == {("succeeded", "cpu"), ("queued", None)}
+    ok = rows[("succeeded", "cpu")]
+    assert (ok["capability"], ok["gpu_mode"], ok["count"], ok["run_s_count"]) == ("cap", "prefer", 3, 2)
+    assert (ok["run_s_sum"], ok["cost_usd"], ok["run_s_buckets"]) == (3.5, 0.75, [1, 2])
+    queued = rows[("queued", None)]
+    assert (queued["count"], queued["run_s_count"], queued["run_s_sum"], queued["cost_usd"]) == (
+        1,
+        0,
+        0.0,
+        0.0,
+    )
+    assert [r["state"] for r in store.task_stats([TaskState.QUEUED])] == ["queued"]
+    assert store.task_stats(tenant="nobody") == []
+
+
+def test_plain_queued_tasks_are_grouped_into_kinds_and_the_rest_judged_alone(store: Store) -> None:
+    store.insert_tasks([_plain(1), _plain(2), _plain(3, gpu=GpuMode.NEVER), _task(4)])
+    assert sorted(store.queued_kinds()) == [("cap", "never", "t_000003"), ("cap", "prefer", "t_000001")]
+    assert [t.id for t in store.queued_unusual()] == ["t_000004"]
+
+
+def test_the_placement_clock_starts_fails_the_kind_when_due_and_clears_when_servable(store: Store) -> None:
+    store.insert_tasks([_plain(1), _plain(2, timeout_s=30.0), _plain(3, gpu=GpuMode.NEVER), _task(4)])
+    # Given nobody can serve (cap, prefer): the clock starts for its plain tasks only
+    assert store.mark_servable("cap", "prefer", False, 1000.0, NO_CAPACITY) == []
+    assert [t.unservable_since for t in store.get_tasks(["t_000001", "t_000002"])] == [1000.0, 1000.0]
+    assert store.get_task("t_000003").unservable_since is None  # type: ignore[union-attr]
+    # When time passes: the clock keeps its start, and a task fails once its own placement_timeout_s is over
+    assert store.mark_servable("cap", "prefer", False, 1005.0, NO_CAPACITY) == []
+    assert store.mark_servable("cap", "prefer", False, 1010.0, NO_CAPACITY) == ["t_000001"]
+    failed = store.get_task("t_000001")
+    assert failed is not None and (failed.state, failed.error, failed.finished_at) == (
+        TaskState.FAILED,
+        NO_CAPACITY,
+        1010.0,
+    )
+    # When a worker can serve it again: the clock of what is still queued is cleared
+    assert store.mark_servable("cap", "prefer", True, 1011.0, NO_CAPACITY) == []
+    assert store.get_task("t_000002").unservable_since is None  # type: ignore[union-attr]
+    assert store.get_task("t_000004").unservable_since is None  # type: ignore[union-attr]
+
+
+def test_json_columns_keep_none_apart_from_empty_and_read_back_as_written(store: Store) -> None:
+    task = replace(_task(1), spec=replace(_task(1).spec, input=None, labels={}), output=None)
+    store.insert_tasks([task])
+    routing = {
+        "requested": "auto",
+        "device": "cpu",
+        "avoid_gpus": ["GPU-1"],
+        "n": 1.5,
+        "deep": {"x": [1, None]},
+    }
+    store.update_tasks(
+        [("t_000001", (TaskState.QUEUED,), 0, {"routing": routing, "gpus": None, "usage": {}})]
+    )
+    back = store.get_task("t_000001")
+    assert back is not None
+    assert (back.spec.input, back.spec.labels, back.routing, back.gpus, back.usage) == (
+        None,
+        {},
+        routing,
+        None,
+        {},
+    )
+    assert store.queued_unusual()[0].id == "t_000001"  # routing set: judged alone
+
+
+def test_a_record_read_is_a_copy_changing_it_changes_nothing_stored(store: Store) -> None:
+    store.insert_tasks([_task(1)])
+    store.update_tasks([("t_000001", (TaskState.QUEUED,), 0, {"routing": {"avoid_gpus": ["a"]}})])
+    first = store.get_task("t_000001")
+    assert first is not None and first.routing is not None
+    first.routing["avoid_gpus"].append("b")
+    first.spec.input["n"] = 99
+    again = store.get_task("t_000001")
+    assert again is not None and again.routing == {"avoid_gpus": ["a"]} and again.spec.input == {"n": 1}
