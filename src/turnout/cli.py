@@ -88,6 +88,10 @@ def _logging(verbose: bool = False, log_format: str = "text") -> None:
 
 
 LOG_FORMAT_HELP = "Log lines as text or json; lines about a task or worker carry its id."
+DB_HELP = (
+    "sqlite:///PATH, postgresql://... or memory:// (tests and demos: nothing survives a restart); "
+    "default $TURNOUT_DB or $TURNOUT_HOME/turnout.db."
+)
 
 
 # ---- servers ---------------------------------------------------------------------------------------
@@ -98,6 +102,7 @@ def up(
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(DEFAULT_PORT, help="Port to listen on."),
     home: Path | None = typer.Option(None, help="State directory (default $TURNOUT_HOME or ~/.turnout)."),
+    db: str | None = typer.Option(None, help=DB_HELP),
     gpus: str = typer.Option("auto", help="GPUs of the local worker: auto, none, 0,2 or fake:SPEC."),
     app_ref: list[str] = typer.Option(
         [], "--app", help="MODULE:APP served by the local worker (default: the demo app)."
@@ -121,11 +126,13 @@ def up(
     state = _home(home)
     if config is None and not app_ref:  # the demo app's prices and classify pipeline (src/turnout/demo.yaml)
         from turnout.demo import CONFIG as config
-    parts = build_controller(db=default_db(state), home=state, config=config, auth=not no_auth, host=host,
+    db = db or default_db(state)
+    parts = build_controller(db=db, home=state, config=config, auth=not no_auth, host=host,
                              fresh_admin_token=True, limit_flags=parse_limit_flags(request_limit),
                              storage=storage)  # fmt: skip
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-    out.print(f"[bold]Turnout[/bold] controller at {url}  (state in {state})")
+    where = "in memory: nothing survives a restart" if db.startswith("memory://") else f"in {state}"
+    out.print(f"[bold]Turnout[/bold] controller at {url}  (state {where})")
     if parts.admin_token:
         out.print(
             f"admin token: {parts.admin_token}\n  (saved to {state / 'admin.token'}; the CLI and SDK find it there)"
@@ -160,9 +167,7 @@ def up(
 
 @app.command()
 def controller(
-    db: str | None = typer.Option(
-        None, help="sqlite:///PATH or postgresql://... (default $TURNOUT_DB or $TURNOUT_HOME/turnout.db)."
-    ),
+    db: str | None = typer.Option(None, help=DB_HELP),
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(DEFAULT_PORT),
     home: Path | None = typer.Option(None),
