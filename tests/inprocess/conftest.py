@@ -4,13 +4,15 @@ no subprocess; the controller's clock is a fake one the test moves."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.inprocess.asgi import InProcessApi
 from tests.inprocess.harness import FakeClock
 from turnout.access import ALL_TENANTS
 from turnout.api.app import create_app
@@ -19,6 +21,7 @@ from turnout.auth import TokenBook
 from turnout.config import ControllerSettings
 from turnout.controller import Controller
 from turnout.models import Role
+from turnout.runtime import build_controller
 from turnout.store import MemoryStore
 
 CPU_SHOUT = {"capability": "shout", "device": "cpu", "resources": {"cpu": 1}}
@@ -131,3 +134,29 @@ async def api() -> AsyncIterator[Api]:
             transport=transport, base_url="http://turnout", headers=headers
         ) as client:
             yield Api(client, service, clock, store)
+
+
+@dataclass
+class Served:
+    """The app `turnout controller --db memory://` serves, called synchronously, and the operator's token."""
+
+    api: InProcessApi
+    token: str
+
+    def call(self, method: str, path: str, token: str | None = None, **kwargs: Any) -> httpx.Response:
+        """A request with `token` (default: the operator's; "" for none)."""
+        bearer = self.token if token is None else token
+        headers = {"Authorization": f"Bearer {bearer}"} if bearer else {}
+        return self.api.request(method, path, headers={**headers, **kwargs.pop("headers", {})}, **kwargs)
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Served]:
+    """`runtime.build_controller` on the memory store, with tokens on, as `turnout controller` wires it."""
+    parts = build_controller(db="memory://", home=tmp_path / "home")
+    assert parts.admin_token is not None
+    api = InProcessApi(create_app(parts.service))
+    try:
+        yield Served(api, parts.admin_token)
+    finally:
+        api.close()

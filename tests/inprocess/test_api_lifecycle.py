@@ -91,3 +91,14 @@ async def test_one_tenants_task_is_not_found_by_another(api: Api) -> None:
     assert (theirs.status_code, theirs.json()["error"]["type"]) == (404, "not_found")
     assert (await api.as_(globex, "POST", f"/v1/tasks/{task_id}/cancel")).status_code == 404
     assert (await api.as_(globex, "GET", "/v1/tasks")).json()["tasks"] == []
+
+
+async def test_require_without_a_gpu_worker_fails_no_capacity_after_placement_timeout(api: Api) -> None:
+    await api.worker()  # a CPU worker only
+    task = await api.submit(gpu="require", placement_timeout_s=1)
+    await api.sweep()  # nobody can serve it: its placement clock starts
+    assert (await api.task(task["id"]))["state"] == "queued"
+    api.clock.advance(1.0)
+    await api.sweep()
+    done = (await api.client.get(f"/v1/tasks/{task['id']}/result", params={"wait": 5})).json()
+    assert (done["state"], done["error"]["type"], done["attempts"]) == ("failed", "no_capacity", 0)

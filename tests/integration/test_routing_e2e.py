@@ -1,4 +1,5 @@
-"""Routing end to end: real controller, real workers (fake GPUs), real HTTP."""
+"""Routing end to end: real controller, real workers (fake GPUs), real HTTP. (A `require` task no worker
+can serve failing `no_capacity` needs no worker process: tests/inprocess/test_api_lifecycle.py.)"""
 
 from __future__ import annotations
 
@@ -36,15 +37,6 @@ def test_never_stays_on_cpu_even_with_a_gpu_worker(cluster: Cluster) -> None:
         assert task["device"] == "cpu"
         assert task["gpus"] == []
         assert task["output"]["env"] == ""
-
-
-def test_require_without_a_gpu_worker_fails_no_capacity_after_placement_timeout(cluster: Cluster) -> None:
-    cluster.start_worker(APP, gpus="none", name="cpu")
-    task = cluster.submit("work", {}, gpu="require", placement_timeout_s=1)
-    done = cluster.result(task["id"], wait=20)
-    assert done["state"] == "failed"
-    assert done["error"]["type"] == "no_capacity"
-    assert done["attempts"] == 0
 
 
 def _running(cluster: Cluster, task_id: str, timeout_s: float = 20) -> dict:
