@@ -703,7 +703,10 @@ class Controller:
             return Exchange(accepted, refused, queued)
         done = set(accepted)
         running = [tid for tid in ask.running if tid not in done]
-        got = self.lease(worker_id, max_tasks=ask.max_tasks, running=running, tenant=ask.tenant)
+        try:
+            got = self.lease(worker_id, max_tasks=ask.max_tasks, running=running, tenant=ask.tenant)
+        except NotFound:  # it left (or was never here): its verdicts stand, and it gets no work
+            got = LeaseResult()
         return Exchange(accepted, refused, queued, got)
 
     def complete(self, worker_id: str, completions: Sequence[Completion]) -> tuple[list[str], list[str]]:

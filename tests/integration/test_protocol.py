@@ -343,3 +343,17 @@ def test_two_replicas_leasing_for_one_worker_at_once_take_turns() -> None:
         finally:
             for s in stores:
                 s.close()
+
+
+def test_answers_encoded_in_one_step_still_carry_integers_beyond_64_bits(controller: Cluster) -> None:
+    """orjson writes the hot routes' answers; an input integer it cannot write (past 64 bits) is written by the
+    standard library instead, never a 500: in the submit answer, the task, its result and the lease."""
+    w = stand_in(controller, "big")
+    huge = 2**70 + 1
+    made = controller.api("POST", "/v1/tasks", json={"capability": "big", "input": {"n": huge}})
+    assert made.status_code == 201, made.text
+    assert made.json()["input"] == {"n": huge}
+    (leased,) = w.lease()["tasks"]
+    assert leased["input"] == {"n": huge}
+    assert w.complete([ok(leased, {"m": -huge})])["accepted"] == [leased["id"]]
+    assert controller.result(leased["id"], 10)["output"] == {"m": -huge}

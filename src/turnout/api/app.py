@@ -359,6 +359,12 @@ def create_app(service: Service) -> FastAPI:
         )
         return {"state": state, "heartbeat_s": heartbeat_s}
 
+    def leased(result: LeaseResult) -> None:
+        """Tasks went to a worker (by a lease poll or a completion's lease): their watchers and metrics hear."""
+        if result.leases:
+            service.tasks_changed.notify()
+            metrics.observe_leases(result.leases)
+
     @app.post("/v1/workers/{worker_id}/lease", response_class=FastJSON)
     async def lease(worker_id: str, body: LeaseIn, me: WorkerCredential = this_worker()) -> FastJSON:
         listed_at = ctrl.clock()  # `running` is as of now, however long the poll waits
@@ -385,11 +391,6 @@ def create_app(service: Service) -> FastAPI:
             with service.parked(worker_id, full=result.full):
                 await Signal.wait_any([*wake, service.closing],
                                       min(left, service.recheck_s, result.retry_in_s or service.recheck_s))  # fmt: skip
-
-    def leased(result: LeaseResult) -> None:
-        if result.leases:
-            service.tasks_changed.notify()
-            metrics.observe_leases(result.leases)
 
     @app.post("/v1/workers/{worker_id}/complete", response_class=FastJSON)
     async def complete(worker_id: str, body: CompleteIn, me: WorkerCredential = this_worker()) -> FastJSON:
