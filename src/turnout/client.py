@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import httpx
 
 from turnout.config import DEFAULT_PORT
-from turnout.errors import HTTP_STATUS, InvalidInput, RateLimited, TurnoutError, Unavailable
+from turnout.errors import HTTP_STATUS, InvalidInput, PayloadTooLarge, RateLimited, TurnoutError, Unavailable
 from turnout.jsonsafe import problem
 from turnout.tls import async_client
 
@@ -30,6 +30,8 @@ T = TypeVar("T")
 log = logging.getLogger("turnout.client")
 TERMINAL = {"succeeded", "failed", "cancelled"}
 _BY_STATUS: dict[int, type[TurnoutError]] = {code: cls for cls, code in HTTP_STATUS.items()}
+SUBMIT_WINDOW_S = 0.002  # concurrent submissions this close together go as one batch request
+MAX_BATCH = 1000  # what `POST /v1/tasks/batch` takes at once
 
 
 def default_url() -> str:
@@ -110,7 +112,8 @@ class AsyncTaskHandle:
 
 
 class AsyncClient:
-    """`rate_limit_wait_s`: how long in all a call waits out 429s (as Retry-After says) before raising RateLimited."""
+    """`rate_limit_wait_s`: how long in all a call waits out 429s (as Retry-After says) before raising RateLimited.
+    `submit_window_s`: concurrent `submit()` calls this close together go as one batch (0: each on its own)."""
 
     def __init__(
         self,
@@ -120,6 +123,7 @@ class AsyncClient:
         timeout_s: float = 30.0,
         rate_limit_wait_s: float = 60.0,
         ca_cert: str | Path | None = None,
+        submit_window_s: float = SUBMIT_WINDOW_S,
     ) -> None:
         self.url = (url or default_url()).rstrip("/")
         self.rate_limit_wait_s = rate_limit_wait_s
@@ -129,6 +133,7 @@ class AsyncClient:
         self.http = async_client(
             base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout_s, read=None), ca_cert=ca
         )
+        self._submissions = _Coalescer(self, submit_window_s)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -137,6 +142,7 @@ class AsyncClient:
         await self.aclose()
 
     async def aclose(self) -> None:
+        await self._submissions.drain()
         await self.http.aclose()
 
     async def request(self, method: str, path: str, **kwargs: Any) -> Any:
@@ -164,10 +170,14 @@ class AsyncClient:
     async def submit(
         self, capability: str, input: Any = None, *, gpu: str | bool = "auto", **options: Any
     ) -> AsyncTaskHandle:
-        task = await self.request(
-            "POST", "/v1/tasks", json={"capability": capability, "input": input, "gpu": gpu, **options}
-        )
-        return AsyncTaskHandle(self, task)
+        """Submit one task. Calls made while another submission is on its way, within `submit_window_s` of each
+        other, go together as one `POST /v1/tasks/batch`; each caller still gets its own task, or its own error
+        (a 422 names the caller's own field, as a single submit's would)."""
+        body = {"capability": capability, "input": input, "gpu": gpu, **options}
+        found = problem(body)
+        if found is not None:  # this caller's alone: never sent, never in anyone's batch
+            raise InvalidInput(f"{found[0]}: {found[1]}", field=found[0])
+        return AsyncTaskHandle(self, await self._submissions.submit(body))
 
     async def submit_batch(self, tasks: list[dict[str, Any]]) -> list[AsyncTaskHandle]:
         body = await self.request("POST", "/v1/tasks/batch", json={"tasks": tasks})
@@ -301,6 +311,124 @@ class AsyncClient:
                 continue  # the connection dropped: resume where we were
 
 
+class _Coalescer:
+    """Submissions in flight together, sent as batches.
+
+    A call with nothing else on its way goes at once, alone (`POST /v1/tasks`: no added wait). Calls made while
+    a submission is on its way gather for `window_s` and go as one `POST /v1/tasks/batch`. The batch route takes
+    all or none, and a refusal names the task (`tasks.3.gpu`): that caller gets the error as a single submit
+    would have said it (`gpu`), and the others are sent again without it. An error about the whole request
+    (401, 429 past `rate_limit_wait_s`, 503) is every caller's, as it would have been for each alone; a body
+    over the batch size limit is split in halves.
+    """
+
+    def __init__(self, client: AsyncClient, window_s: float) -> None:
+        self.client = client
+        self.window_s = window_s
+        self.pending: list[tuple[dict[str, Any], asyncio.Future[dict[str, Any]]]] = []
+        self.in_flight = 0
+        self.sending: set[asyncio.Task[None]] = set()
+        self.timer: asyncio.TimerHandle | None = None
+
+    async def submit(self, body: dict[str, Any]) -> dict[str, Any]:
+        if self.window_s <= 0 or (self.in_flight == 0 and not self.pending):
+            self.in_flight += 1
+            try:
+                return await self.client.request("POST", "/v1/tasks", json=body)
+            finally:
+                self.in_flight -= 1
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[dict[str, Any]] = loop.create_future()
+        self.pending.append((body, future))
+        if len(self.pending) >= MAX_BATCH:
+            self._flush()
+        elif self.timer is None:
+            self.timer = loop.call_later(self.window_s, self._flush)
+        return await future
+
+    def _flush(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        batch = [(body, future) for body, future in self.pending if not future.done()]  # a caller gave up
+        self.pending = []
+        if batch:
+            task = asyncio.ensure_future(self._send(batch))
+            self.sending.add(task)
+            task.add_done_callback(self.sending.discard)
+
+    async def drain(self) -> None:
+        """Send what is gathered now and wait for every batch on its way (the client is closing)."""
+        self._flush()
+        if self.sending:
+            await asyncio.gather(*self.sending, return_exceptions=True)
+
+    async def _send(self, batch: list[tuple[dict[str, Any], asyncio.Future[dict[str, Any]]]]) -> None:
+        self.in_flight += 1
+        try:
+            while batch:
+                try:
+                    if len(batch) == 1:
+                        _settle(batch[0][1], await self.client.request("POST", "/v1/tasks", json=batch[0][0]))
+                        return
+                    body = {"tasks": [b for b, _ in batch]}
+                    answer = await self.client.request("POST", "/v1/tasks/batch", json=body)
+                except TurnoutError as exc:
+                    refused = _task_of(exc, len(batch))
+                    if refused is not None:  # that caller's own error; the others go again without it
+                        _settle(batch.pop(refused[0])[1], refused[1])
+                        continue
+                    if (
+                        isinstance(exc, PayloadTooLarge) and len(batch) > 1
+                    ):  # the whole body: send it in halves
+                        half = len(batch) // 2
+                        await asyncio.gather(self._send(batch[:half]), self._send(batch[half:]))
+                        return
+                    for _, future in batch:
+                        _settle(future, exc)
+                    return
+                except (
+                    Exception
+                ) as exc:  # the network (Unavailable, a timeout): every caller's, as for each alone
+                    for _, future in batch:
+                        _settle(future, exc)
+                    return
+                except BaseException as exc:  # cancelled (the client closing): its callers hear so, too
+                    for _, future in batch:
+                        _settle(future, exc)
+                    raise
+                for (_, future), task in zip(batch, answer["tasks"], strict=True):
+                    _settle(future, task)
+                return
+        finally:
+            self.in_flight -= 1
+
+
+def _settle(future: asyncio.Future[dict[str, Any]], outcome: dict[str, Any] | BaseException) -> None:
+    if future.done():
+        return
+    if isinstance(outcome, asyncio.CancelledError):
+        future.cancel()
+    elif isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
+
+
+def _task_of(exc: TurnoutError, n: int) -> tuple[int, TurnoutError] | None:
+    """(index, the error as a single submit would have said it) when `exc` names one task of a batch of `n`
+    (`tasks.3.gpu`); None when it is about the whole request."""
+    prefix, _, rest = (exc.field or "").partition(".")
+    index, _, field = rest.partition(".")
+    if prefix != "tasks" or not index.isdigit() or int(index) >= n or isinstance(exc, RateLimited):
+        return None
+    message = exc.message.removeprefix(f"tasks.{index}.")
+    try:
+        return int(index), type(exc)(message, field=field or None)
+    except TypeError:  # an error class with a constructor of its own: keep it as it came
+        return int(index), exc
+
+
 class _SseFrames:
     """Splits a Server-Sent Events byte stream into the JSON `data` of each complete frame."""
 
@@ -378,10 +506,13 @@ class Client:
         timeout_s: float = 30.0,
         rate_limit_wait_s: float = 60.0,
         ca_cert: str | Path | None = None,
+        submit_window_s: float = SUBMIT_WINDOW_S,
     ) -> None:
         self._loop = _Loop()
         try:
-            self._async = self._loop.run(_make_async(url, token, timeout_s, rate_limit_wait_s, ca_cert))
+            self._async = self._loop.run(
+                _make_async(url, token, timeout_s, rate_limit_wait_s, ca_cert, submit_window_s)
+            )
         except BaseException:
             self._loop.close()
             raise
@@ -422,6 +553,12 @@ class Client:
 
 
 async def _make_async(
-    url: str | None, token: str | None, timeout_s: float, rate_limit_wait_s: float, ca_cert: str | Path | None
+    url: str | None,
+    token: str | None,
+    timeout_s: float,
+    rate_limit_wait_s: float,
+    ca_cert: str | Path | None,
+    submit_window_s: float,
 ) -> AsyncClient:
-    return AsyncClient(url, token, timeout_s=timeout_s, rate_limit_wait_s=rate_limit_wait_s, ca_cert=ca_cert)
+    return AsyncClient(url, token, timeout_s=timeout_s, rate_limit_wait_s=rate_limit_wait_s, ca_cert=ca_cert,
+                       submit_window_s=submit_window_s)  # fmt: skip

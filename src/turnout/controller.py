@@ -42,6 +42,7 @@ from turnout.models import (
 )
 from turnout.routing import ClusterView, Route, WorkerOffer, route, servable
 from turnout.store import Store
+from turnout.store.replicas import hold_worker
 from turnout.tenancy import TenantBuckets, fair_order, gpu_allocation_rule, round_robin
 
 log = logging.getLogger("turnout.controller")
@@ -82,6 +83,26 @@ class LeaseResult:
     cancel: list[str] = field(default_factory=list)  # task ids the worker must stop
     full: bool = False  # the worker has no room for anything it offers: only freed capacity changes that
     retry_in_s: float | None = None  # a batch is filling: ask again by then, even if nothing else changes
+
+
+@dataclass(frozen=True)
+class LeaseAsk:
+    """A worker's request for work: how many tasks at most, and the tasks it holds (running, or finished
+    with their results not yet sent), as listed when it wrote the request."""
+
+    max_tasks: int
+    running: Sequence[str] = ()
+    tenant: str = ALL_TENANTS  # whom the worker serves
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """What one report from a worker did: its results, the pipeline stages they queued, and its next lease."""
+
+    accepted: list[str]
+    refused: list[str]
+    queued: Sequence[str]  # tasks queued by these results (pipelines' next stages)
+    lease: LeaseResult | None = None  # None: the worker asked for no work
 
 
 @dataclass(frozen=True)
@@ -361,29 +382,42 @@ class Controller:
     # ---- leasing -----------------------------------------------------------------------------
 
     def lease(
-        self, worker_id: str, *, max_tasks: int, running: Sequence[str] = (), tenant: str = ALL_TENANTS
+        self,
+        worker_id: str,
+        *,
+        max_tasks: int,
+        running: Sequence[str] = (),
+        tenant: str = ALL_TENANTS,
+        listed_at: float | None = None,
     ) -> LeaseResult:
         """Give the worker queued tasks that fit its free resources, routed per their `gpu` value.
 
         `running` is what the worker believes it runs: anything there that is no longer its active lease
         (cancelled, timed out, re-queued after it was thought lost) comes back in `cancel`. The reverse too:
-        a task leased to it that it does not list, well after the lease was given, never reached it (the
-        answer was lost on the way) and goes back to the queue, its capacity freed. `tenant` is whom the
-        worker serves ("*": every tenant, taken in turn). A tenant at its GPU quota (`max_gpus`) or over its
-        GPU allocation rate gets no GPU now: its GPU-only tasks stay queued, the others route as if the GPUs
-        were busy.
+        a task leased to it that it does not list, though the list was written (`listed_at`, default now) well
+        after the lease was given, never reached it (the answer was lost on the way) and goes back to the
+        queue, its capacity freed. A long poll's list is as old as the poll: a task leased since, through the
+        worker's other request, is not missing from it. `tenant` is whom the worker serves ("*": every tenant,
+        taken in turn). A tenant at its GPU quota (`max_gpus`) or over its GPU allocation rate gets no GPU now:
+        its GPU-only tasks stay queued, the others route as if the GPUs were busy.
+
+        Room is computed from the store, after waiting for any other lease of this worker to commit
+        (`hold_worker`): two requests at once, on one controller or two, never over-commit it.
         """
         now = self.clock()
+        listed_at = now if listed_at is None else min(listed_at, now)
         fleet = self._fleet()
         worker = fleet.get(worker_id) or self._worker(worker_id)
         if worker.state is WorkerState.GONE:
             raise NotFound(f"worker {worker_id} has left; register again", field="worker")
+        if worker.state is WorkerState.HEALTHY and max_tasks > 0:
+            hold_worker(self.store, worker_id)  # before its tasks are read: they are what the room is made of
         active = self.store.active_tasks([worker_id])
         mine = {t.id: t for t in active if t.worker_id == worker_id}
         held = set(running)
         grace_s = max(UNDELIVERED_AFTER_S, worker.heartbeat_s)
         undelivered = [t for t in mine.values() if t.state is TaskState.LEASED and t.id not in held
-                       and now - (t.leased_at or now) > grace_s]  # fmt: skip
+                       and listed_at - (t.leased_at or now) > grace_s]  # fmt: skip
         for task_id in self._requeue_undelivered(undelivered, now):
             del mine[task_id]
         cancel = self._to_stop(worker_id, [tid for tid in running if tid not in mine])
@@ -563,7 +597,8 @@ class Controller:
             for lease in allocated:  # a batch still filling or a lost race allocated nothing: no token taken
                 self.gpu_allocations.take(lease.task.tenant)
             self._audit_allocations(worker_id, allocated, now)
-        return LeaseResult(leases, cancel, retry_in_s=retry_in_s)
+        full = bool(leases) and room.cpu + 1e-9 < smallest  # what it was given filled it
+        return LeaseResult(leases, cancel, full=full, retry_in_s=retry_in_s)
 
     def _auto_fleet(self, workers: Sequence[Worker]) -> profiles.Fleet:
         """What `gpu: auto` weighs, read once per lease request: profiles, and the work queued and running."""
@@ -652,6 +687,26 @@ class Controller:
         return placement.Fleet(self.settings.placement_policy, gpu_workers, active)
 
     # ---- results -----------------------------------------------------------------------------
+
+    def exchange(
+        self, worker_id: str, completions: Sequence[Completion], ask: LeaseAsk | None = None
+    ) -> Exchange:
+        """Commit a worker's results and, if it `ask`s, lease it work for the room they freed: in one call, so
+        in one transaction (one fsync), and a pipeline's next stage, queued by its last stage's result, can go
+        straight back to the worker that ran it."""
+        if ask is not None:  # held before the results' rows are written: one lock order, worker then tasks
+            hold_worker(self.store, worker_id)
+        accepted, refused = self.complete(worker_id, completions)
+        queued = self.runs.take_queued()
+        if ask is None:
+            return Exchange(accepted, refused, queued)
+        done = set(accepted)
+        running = [tid for tid in ask.running if tid not in done]
+        try:
+            got = self.lease(worker_id, max_tasks=ask.max_tasks, running=running, tenant=ask.tenant)
+        except NotFound:  # it left (or was never here): its verdicts stand, and it gets no work
+            got = LeaseResult()
+        return Exchange(accepted, refused, queued, got)
 
     def complete(self, worker_id: str, completions: Sequence[Completion]) -> tuple[list[str], list[str]]:
         """Commit results; returns (accepted, refused). Only the current attempt's report counts.

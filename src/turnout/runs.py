@@ -9,7 +9,7 @@ state is only ever what the database says.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -21,12 +21,15 @@ from turnout.store.base import RunRecords
 if TYPE_CHECKING:
     from turnout.controller import Controller
 
+MAX_NOTED = 1024  # stage tasks `take_queued` remembers between calls (sweeps may queue many with no call)
+
 
 class PipelineRuns:
     def __init__(self, controller: Controller) -> None:
         self.ctrl = controller
         self.store: RunRecords = controller.store.runs
-        self.stages_queued = 0  # stages queued since last asked (`take_queued`): lease polls should wake
+        # stage tasks queued since last asked (`take_queued`): lease polls should wake
+        self.stages_queued: list[str] = []
 
     def pipeline(self, name: str) -> Pipeline:
         found = self.ctrl.settings.pipelines.get(name)
@@ -61,7 +64,8 @@ class PipelineRuns:
         max_gpus and GPU allocation rate hold it at lease time, as they hold any task."""
         self.ctrl.store.insert_tasks([task])
         self.ctrl.queued_for(task.tenant)
-        self.stages_queued += 1
+        if len(self.stages_queued) < MAX_NOTED:  # past it, a caller sees some not leased yet: it wakes all
+            self.stages_queued.append(task.id)
 
     def _stage_task(self, run: PipelineRun, index: int, done: list[Task], now: float) -> Task:
         from turnout.controller import new_id
@@ -121,9 +125,10 @@ class PipelineRuns:
         """Move on every running run whose stage ended by other means than a worker's result."""
         return sum(self._advance(run) for run in self.store.running_runs()) > 0
 
-    def take_queued(self) -> int:
-        n, self.stages_queued = self.stages_queued, 0
-        return n
+    def take_queued(self) -> Sequence[str]:
+        """The ids of the stage tasks queued since the last call (empty: none)."""
+        queued, self.stages_queued = self.stages_queued, []
+        return queued
 
     def _advance(self, run: PipelineRun) -> bool:
         tasks = self.ctrl.store.get_tasks(run.task_ids)

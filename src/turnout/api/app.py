@@ -30,7 +30,9 @@ from turnout.api.pipelines import profile_view
 from turnout.api.schemas import (
     EVENTS_BODY,
     MAX_INT32,
+    WORKER_FEATURES,
     CompleteIn,
+    FastJSON,
     HeartbeatIn,
     LeaseIn,
     RegisterIn,
@@ -39,6 +41,7 @@ from turnout.api.schemas import (
     TaskIn,
     TokenIn,
     iso,
+    leases_out,
     parse_events,
     task_out,
     worker_out,
@@ -47,7 +50,7 @@ from turnout.api.service import Service, Signal
 from turnout.api.strictjson import StrictJsonRoute, json_body
 from turnout.auth import WorkerCredential
 from turnout.auth import check as check_worker
-from turnout.controller import AUDIT_KINDS, new_id
+from turnout.controller import AUDIT_KINDS, LeaseAsk, LeaseResult, new_id
 from turnout.errors import Forbidden, InvalidInput, NotFound
 from turnout.escalation import Escalator
 from turnout.models import Completion, Device, Task, TaskState, Variant, check_capability_name
@@ -141,24 +144,24 @@ def create_app(service: Service) -> FastAPI:
 
     # ---- tasks ---------------------------------------------------------------------------------
 
-    @app.post("/v1/tasks", status_code=201)
-    async def submit(body: TaskIn, p: Principal = need(Action.SUBMIT)) -> dict[str, Any]:
+    @app.post("/v1/tasks", status_code=201, response_class=FastJSON)
+    async def submit(body: TaskIn, p: Principal = need(Action.SUBMIT)) -> FastJSON:
         specs = [body.to_spec(limits)]
         service.admit(p.home_tenant, specs)  # a 429 before the database: a flood costs the others nothing
         tasks = await service.call(ctrl.submit, p.home_tenant, specs,
                                    waits_for_capacity=[body.waits_for_capacity])  # fmt: skip
         service.queue_changed.notify()
-        return task_out(tasks[0])
+        return FastJSON(task_out(tasks[0]), status_code=201)
 
-    @app.post("/v1/tasks/batch", status_code=201)
-    async def submit_batch(body: TaskBatchIn, p: Principal = need(Action.SUBMIT)) -> dict[str, Any]:
+    @app.post("/v1/tasks/batch", status_code=201, response_class=FastJSON)
+    async def submit_batch(body: TaskBatchIn, p: Principal = need(Action.SUBMIT)) -> FastJSON:
         specs = body.to_specs(limits)
         service.admit(p.home_tenant, specs)
         tasks = await service.call(ctrl.submit, p.home_tenant, specs,
                                    prefixes=[f"tasks.{i}." for i in range(len(body.tasks))],
                                    waits_for_capacity=[t.waits_for_capacity for t in body.tasks])  # fmt: skip
         service.queue_changed.notify()
-        return {"tasks": [task_out(t) for t in tasks]}
+        return FastJSON({"tasks": [task_out(t) for t in tasks]}, status_code=201)
 
     @app.get("/v1/tasks")
     async def list_tasks(
@@ -177,21 +180,21 @@ def create_app(service: Service) -> FastAPI:
             "next_cursor": tasks[-1].id if len(tasks) == limit else None,
         }
 
-    @app.get("/v1/tasks/{task_id}")
-    async def get_task(task_id: str, p: Principal = need(Action.READ)) -> dict[str, Any]:
-        return task_out(await service.read(ctrl.get_task, scope(p), task_id))
+    @app.get("/v1/tasks/{task_id}", response_class=FastJSON)
+    async def get_task(task_id: str, p: Principal = need(Action.READ)) -> FastJSON:
+        return FastJSON(task_out(await service.read(ctrl.get_task, scope(p), task_id)))
 
-    @app.get("/v1/tasks/{task_id}/result")
+    @app.get("/v1/tasks/{task_id}/result", response_class=FastJSON)
     async def get_result(
         task_id: str, wait: float = Query(0, ge=0, le=3600), p: Principal = need(Action.READ)
-    ) -> dict[str, Any]:
+    ) -> FastJSON:
         deadline = time.monotonic() + wait
         while True:
             signal = service.tasks_changed.current()
             task = await service.read(ctrl.get_task, scope(p), task_id)
             left = deadline - time.monotonic()
             if task.state.terminal or left <= 0:
-                return task_out(task)
+                return FastJSON(task_out(task))
             await Signal.wait(signal, min(left, service.recheck_s))
 
     @app.post("/v1/tasks/{task_id}/cancel")
@@ -341,7 +344,8 @@ def create_app(service: Service) -> FastAPI:
         worker, secret, serves = await service.call(run)
         service.registered(worker)
         service.changed()
-        return {"id": worker.id, "heartbeat_s": worker.heartbeat_s, "secret": secret, "serves": serves}
+        return {"id": worker.id, "heartbeat_s": worker.heartbeat_s, "secret": secret, "serves": serves,
+                "features": list(WORKER_FEATURES)}  # fmt: skip
 
     @app.post("/v1/workers/{worker_id}/heartbeat")
     async def heartbeat(
@@ -355,8 +359,15 @@ def create_app(service: Service) -> FastAPI:
         )
         return {"state": state, "heartbeat_s": heartbeat_s}
 
-    @app.post("/v1/workers/{worker_id}/lease")
-    async def lease(worker_id: str, body: LeaseIn, me: WorkerCredential = this_worker()) -> dict[str, Any]:
+    def leased(result: LeaseResult) -> None:
+        """Tasks went to a worker (by a lease poll or a completion's lease): their watchers and metrics hear."""
+        if result.leases:
+            service.tasks_changed.notify()
+            metrics.observe_leases(result.leases)
+
+    @app.post("/v1/workers/{worker_id}/lease", response_class=FastJSON)
+    async def lease(worker_id: str, body: LeaseIn, me: WorkerCredential = this_worker()) -> FastJSON:
+        listed_at = ctrl.clock()  # `running` is as of now, however long the poll waits
         deadline = time.monotonic() + min(body.wait_s, ctrl.settings.max_lease_wait_s)
         running = list(body.running)
         mine = service.worker_signal(worker_id)
@@ -366,37 +377,24 @@ def create_app(service: Service) -> FastAPI:
                 service.changes.current(),
                 mine.current(),
             )
-            result = await service.call(
-                ctrl.lease, worker_id, max_tasks=body.max_tasks, running=running, tenant=me.tenant
-            )
+            result = await service.call(ctrl.lease, worker_id, max_tasks=body.max_tasks, running=running,
+                                        tenant=me.tenant, listed_at=listed_at)  # fmt: skip
             running = [tid for tid in running if tid not in set(result.cancel)]
             left = deadline - time.monotonic()
             if result.leases or result.cancel or left <= 0 or service.closing.is_set():
-                if result.leases:
-                    service.tasks_changed.notify()
-                    metrics.observe_leases(result.leases)
-                return {
-                    "tasks": [
-                        {"id": le.task.id, "attempt": le.task.attempts, "capability": le.task.spec.capability,
-                         "device": le.device.value, "input": le.task.spec.input, "resources": le.resources.to_dict(),
-                         "gpus": le.grant, "timeout_s": le.task.spec.timeout_s, "labels": le.task.spec.labels,
-                         "tenant": le.task.tenant, "routing": le.task.routing, "batch": le.batch}
-                        for le in result.leases
-                    ],
-                    "cancel": result.cancel,
-                }  # fmt: skip
+                leased(result)
+                return FastJSON(leases_out(result))
             # a full worker waits for its own capacity (or a cancel, a timeout, a fleet change), not for every new
             # task: under a flood of submissions that would re-run its lease for nothing, hundreds of times a second
             wake = [stops, capacity] if result.full else [queue, capacity]
             # a batch still filling is leased once full or its wait is over: ask again by then (retry_in_s)
-            await Signal.wait_any(
-                [*wake, service.closing], min(left, service.recheck_s, result.retry_in_s or service.recheck_s)
-            )
+            with service.parked(worker_id, full=result.full):
+                await Signal.wait_any([*wake, service.closing],
+                                      min(left, service.recheck_s, result.retry_in_s or service.recheck_s))  # fmt: skip
 
-    @app.post("/v1/workers/{worker_id}/complete")
-    async def complete(
-        worker_id: str, body: CompleteIn, me: WorkerCredential = this_worker()
-    ) -> dict[str, Any]:
+    @app.post("/v1/workers/{worker_id}/complete", response_class=FastJSON)
+    async def complete(worker_id: str, body: CompleteIn, me: WorkerCredential = this_worker()) -> FastJSON:
+        """Results, and (with `lease`) the next work for the room they free: one exchange, one commit."""
         completions = [
             Completion(
                 r.task_id,
@@ -412,15 +410,21 @@ def create_app(service: Service) -> FastAPI:
             )
             for r in body.results
         ]
-        accepted, refused, stages = await service.call(
-            lambda: (*ctrl.complete(worker_id, completions), ctrl.runs.take_queued())
-        )
-        if accepted:
-            service.worker_signal(worker_id).notify()  # its capacity is free again; other workers' is not
+        ask = body.lease
+        done = await service.call(ctrl.exchange, worker_id, completions,
+                                  LeaseAsk(ask.max_tasks, tuple(ask.running), me.tenant) if ask else None)  # fmt: skip
+        answer: dict[str, Any] = {"accepted": done.accepted, "refused": done.refused}
+        if done.accepted:
+            service.capacity_freed(worker_id, done.lease)  # its capacity is free again; other workers' is not
             service.tasks_changed.notify()
-            if stages or any(not c.succeeded for c in completions):
-                service.queue_changed.notify()  # a retry or a pipeline's next stage is queued, for anyone
-        return {"accepted": accepted, "refused": refused}
+        if done.lease is not None:
+            leased(done.lease)
+            answer.update(leases_out(done.lease))
+        taken = {le.task.id for le in done.lease.leases} if done.lease else set()
+        retried = bool(done.accepted) and any(not c.succeeded for c in completions)
+        if retried or any(tid not in taken for tid in done.queued):
+            service.queue_changed.notify()  # a retry or a pipeline's next stage is queued, for anyone
+        return FastJSON(answer)
 
     @app.post("/v1/workers/{worker_id}/scrubs")
     async def scrubs(worker_id: str, body: ScrubsIn, me: WorkerCredential = this_worker()) -> dict[str, Any]:
@@ -433,15 +437,15 @@ def create_app(service: Service) -> FastAPI:
         stored = await service.call(ctrl.record_scrubs, worker_id, [s.model_dump() for s in body.scrubs])
         return {"stored": stored}
 
-    @app.post("/v1/workers/{worker_id}/events", openapi_extra=EVENTS_BODY)
+    @app.post("/v1/workers/{worker_id}/events", openapi_extra=EVENTS_BODY, response_class=FastJSON)
     async def worker_events(
         worker_id: str, request: Request, me: WorkerCredential = this_worker()
-    ) -> dict[str, Any]:
+    ) -> FastJSON:
         items = parse_events(await json_body(request), limits)
         last = await service.call(ctrl.append_events, worker_id, items)
         if last:
             service.events_added.notify()
-        return {"stored": sum(1 for _ in items) if last else 0}
+        return FastJSON({"stored": sum(1 for _ in items) if last else 0})
 
     @app.post("/v1/workers/{worker_id}/leave")
     async def leave(worker_id: str, me: WorkerCredential = this_worker()) -> dict[str, Any]:

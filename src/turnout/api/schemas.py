@@ -11,15 +11,20 @@ from __future__ import annotations
 import dataclasses
 import json
 from datetime import datetime, timezone
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from starlette.responses import Response
 
 from turnout.config import RequestLimits, describe_bytes
 from turnout.errors import InvalidInput, PayloadTooLarge
 from turnout.gpu.devices import GpuDevice, GpuMetrics, MigDevice
-from turnout.models import CAPABILITY_NAME, GpuMode, Task, TaskSpec, Worker, check_capability_name
+from turnout.models import CAPABILITY_NAME, GpuMode, Lease, Task, TaskSpec, Worker, check_capability_name
 from turnout.resources import parse_resources
+
+if TYPE_CHECKING:
+    from turnout.controller import LeaseResult
 
 MAX_INT = 2**53  # integers beyond what every JSON reader keeps exact, and beyond SQL's BIGINT
 MAX_INT32 = 2**31 - 1  # SQL INTEGER columns (attempts, event seq): more fails as a parameter in PostgreSQL
@@ -211,10 +216,20 @@ class HeartbeatIn(Strict):
     quarantined: dict[str, str] | None = None
 
 
-class LeaseIn(Strict):
+# What this controller's worker protocol offers beyond the first version, named in the register answer so a
+# worker uses only what its controller understands: "complete_lease": `complete` may carry `lease`.
+WORKER_FEATURES = ("complete_lease",)
+
+
+class LeaseAskIn(Strict):
+    """A request for work: at most `max_tasks`, and the tasks the worker holds (see `Controller.lease`)."""
+
     max_tasks: int = Field(16, ge=0, le=1000)
-    wait_s: float = Field(20.0, ge=0, le=60)
     running: list[TaskId] = Field(default_factory=list)
+
+
+class LeaseIn(LeaseAskIn):
+    wait_s: float = Field(20.0, ge=0, le=60)  # a long poll: answered at once when there is work
 
 
 class ResultIn(Strict):
@@ -242,6 +257,7 @@ class UsageIn(Strict):
 
 class CompleteIn(Strict):
     results: list[ResultIn] = Field(max_length=10_000)
+    lease: LeaseAskIn | None = None  # work for the room these results free, in the same answer (no wait)
 
 
 class ScrubIn(Strict):
@@ -293,6 +309,34 @@ class TokenIn(Strict):
     role: str
     # default: the caller's own tenant ("default" for the operator); "*" (every tenant) for the operator only
     tenant: str | None = Field(None, min_length=1, max_length=64, pattern=_NO_NUL)
+
+
+def lease_out(le: Lease) -> dict[str, Any]:
+    """One leased task as the worker receives it."""
+    t = le.task
+    return {"id": t.id, "attempt": t.attempts, "capability": t.spec.capability, "device": le.device.value,
+            "input": t.spec.input, "resources": le.resources.to_dict(), "gpus": le.grant, "timeout_s": t.spec.timeout_s,
+            "labels": t.spec.labels, "tenant": t.tenant, "routing": t.routing, "batch": le.batch}  # fmt: skip
+
+
+def leases_out(result: LeaseResult) -> dict[str, Any]:
+    """A lease's answer: `{tasks, cancel}`."""
+    return {"tasks": [lease_out(le) for le in result.leases], "cancel": result.cancel}
+
+
+class FastJSON(Response):
+    """A JSON response encoded in one step by orjson, with no model or `jsonable_encoder` pass before it: what
+    the hot routes answer. Bodies are plain dicts of JSON values (stored rows were checked as they entered);
+    what orjson refuses (an integer beyond 64 bits in a task's input) is written by the standard library."""
+
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return orjson.dumps(content)
+        except TypeError:  # orjson.JSONEncodeError is a TypeError
+            text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+            return text.encode("utf-8")
 
 
 def iso(ts: float | None) -> str | None:

@@ -29,13 +29,13 @@ import functools
 import logging
 import queue
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from turnout.auth import TokenBook, WorkerKeys
-from turnout.controller import Controller
+from turnout.controller import Controller, LeaseResult
 from turnout.errors import NotFound, StorageUnavailable
 from turnout.models import GpuMode, TaskSpec, Worker, WorkerState
 from turnout.store.notify import ALL, ANY_WORKER, ReplicaBus
@@ -159,6 +159,7 @@ class Service:
         self._worker_signals: dict[
             str, Signal
         ] = {}  # capacity freed on one worker: wakes only its lease poll
+        self._full_polls: dict[str, int] = {}  # worker id -> its lease polls parked here as full
         self._reaper: asyncio.Task[None] | None = None
         # worker id -> when its last heartbeat arrived (controller clock), stamped on the event loop: the
         # reaper judges on this, so a heartbeat waiting behind a slow write still counts when it arrived
@@ -273,6 +274,28 @@ class Service:
         if signal is None:
             signal = self._worker_signals[worker_id] = Signal(self._publisher(f"w={worker_id}"))
         return signal
+
+    @contextlib.contextmanager
+    def parked(self, worker_id: str, *, full: bool) -> Iterator[None]:
+        """A lease poll of this worker waits here; `full`: it waits for freed capacity, not for new tasks."""
+        if full:
+            self._full_polls[worker_id] = self._full_polls.get(worker_id, 0) + 1
+        try:
+            yield
+        finally:
+            if full:
+                left = self._full_polls.get(worker_id, 1) - 1
+                if left > 0:
+                    self._full_polls[worker_id] = left
+                else:
+                    self._full_polls.pop(worker_id, None)
+
+    def capacity_freed(self, worker_id: str, offered: LeaseResult | None) -> None:
+        """Results freed room on a worker: wake its own lease poll to fill it. Not when the same exchange
+        already leased for that room (`offered`), unless it left room and the poll waits only for capacity
+        (it must go back to waiting for new tasks). Another replica may hold the poll: tell it, to be safe."""
+        if offered is None or (not offered.full and (self.bus is not None or worker_id in self._full_polls)):
+            self.worker_signal(worker_id).notify()
 
     def _publisher(self, name: str) -> Callable[[], None] | None:
         bus = self.bus

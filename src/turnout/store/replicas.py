@@ -18,6 +18,10 @@ every replica, since each change is a conditional update, but running it everywh
 contention. `claim_sweep` lets one replica per interval run it: a conditional update of the sweep's row
 in `sweeps`, in the sweep's own transaction, so a sweep whose transaction is lost gives its claim back,
 and a replica that dies simply stops claiming: another takes over within one interval.
+
+**One lease at a time per worker.** A worker may ask for work twice at once (its long poll, and the lease its
+completion carries), perhaps through two replicas. `hold_worker` makes the second wait for the first's commit,
+so each computes the worker's free room from what the other leased: it is never given more than it holds.
 """
 
 from __future__ import annotations
@@ -131,6 +135,25 @@ def claim_sweep(store: Store, name: str, holder: str, now: float, interval_s: fl
             conn.execute(sw.insert().values(name=name, holder=holder, swept_at=now))
             return True
         return False  # another replica made the row first, just now
+
+
+LEASE_LOCK_SPACE = 0x7475726E  # "turn": this application's advisory locks, apart from anyone else's
+
+
+def hold_worker(store: Store, worker_id: str) -> None:
+    """Hold `worker_id`'s leasing until the caller's transaction ends (inside `SqlStore.group()`).
+
+    PostgreSQL: a transaction-scoped advisory lock, so heartbeats and other writes to the worker's row never
+    wait on it, only another lease for the same worker (two ids that hash alike merely take turns). SQLite has
+    one controller per file, whose database thread already runs one call at a time: nothing to hold.
+    """
+    if not isinstance(store, SqlStore) or store.dialect != "postgresql":
+        return
+    with store._write() as conn:
+        conn.execute(
+            sa.text("SELECT pg_advisory_xact_lock(:space, hashtext(:worker))"),
+            {"space": LEASE_LOCK_SPACE, "worker": worker_id},
+        )
 
 
 ANALYZE_MIN_CHANGES = 1000  # rows changed since the last ANALYZE before the tasks table is analysed again

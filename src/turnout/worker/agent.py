@@ -2,9 +2,11 @@
 
 Four loops share one HTTP client: heartbeat (liveness and GPU metrics), lease (a long poll that also
 names the tasks still running here, so the controller can tell us which to stop), and two senders that
-batch completions and events, so a chatty task or a burst of tiny ones costs few requests. Every result
-and event is checked once as it is queued (`reports`): what JSON cannot carry fails its task with
-`invalid_output`, and the senders never die, whatever the controller answers.
+batch completions and events, so a chatty task or a burst of tiny ones costs few requests. A completion
+goes out at once and asks for work for the room it frees in the same request (`complete` with `lease`):
+a busy worker, or a pipeline's next stage, needs no second round trip; the long poll is for idle times.
+Every result and event is checked once as it is queued (`reports`): what JSON cannot carry fails its task
+with `invalid_output`, and the senders never die, whatever the controller answers.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from turnout.worker.gpuwatch import GpuWatch, SharedTask, memory_over_limit, pro
 from turnout.worker.processes import Outcome, ProcessPool, ProtocolProcess
 from turnout.worker.reports import (
     checked_completion,
+    encode,
     event_problem,
     invalid_output,
     refused_completion,
@@ -233,6 +236,13 @@ class Agent:
         self._proc_tenant: weakref.WeakKeyDictionary[ProtocolProcess, str] = weakref.WeakKeyDictionary()
         self._batch_of: dict[str, frozenset[str]] = {}  # task id -> the ids of the batch it runs in
         self._unwanted: set[str] = set()  # batch members the controller asked us to stop
+        self._features: frozenset[str] = (
+            frozenset()
+        )  # what the controller's protocol offers (register answer)
+        # Leases arrive by two requests that may cross (the long poll, a completion's lease): each task started
+        # is numbered, and an answer's `cancel` applies only to tasks started before its request was sent.
+        self._started = 0
+        self._started_as: dict[str, int] = {}  # task id -> its number
 
     def offered(self, runnables: list[Runnable]) -> list[Runnable]:
         """The variants this host's hardware can run: GPU variants only where some GPU could ever fit them."""
@@ -307,6 +317,7 @@ class Agent:
                 resp.raise_for_status()
                 answer = resp.json()
                 self.worker_id = answer["id"]
+                self._features = frozenset(answer.get("features") or ())
                 # who we are, on every later call (registering again included): our token and this secret
                 self.http.headers[WORKER_SECRET_HEADER] = answer["secret"]
                 self.files.worker_id = self.worker_id
@@ -380,24 +391,25 @@ class Agent:
             self._stop_reason[task_id] = error
             running.cancel()
 
+    def _held(self) -> list[str]:
+        """What this worker holds: running, or finished with its result not yet sent. The controller re-queues
+        a lease the worker does not list (its answer was lost), so a lease request lists all of these."""
+        return [*self.running, *(c["task_id"] for c in self._completions)]
+
     async def _lease_loop(self) -> None:
         delay = 0.2
         while True:
             if not self._leasing:
                 return
+            sent_as = self._started
             try:
                 resp = await self.http.post(
                     f"/v1/workers/{self.worker_id}/lease",
-                    # held = running or finished with its result not yet sent: the controller re-queues a
-                    # lease this worker does not list (its answer was lost), so list all it still holds
-                    json={
-                        "max_tasks": self.settings.max_lease,
-                        "wait_s": self.settings.lease_wait_s,
-                        "running": [*self.running, *(c["task_id"] for c in self._completions)],
-                    },
+                    json={"max_tasks": self.settings.max_lease, "wait_s": self.settings.lease_wait_s,
+                          "running": self._held()},
                     # an answer lost on a dead connection is given up soon after the controller would have sent it
                     timeout=httpx.Timeout(10.0, read=self.settings.lease_wait_s + 15.0),
-                )
+                )  # fmt: skip
                 if resp.status_code == 404:
                     await self.register()
                     continue
@@ -408,26 +420,46 @@ class Agent:
                 await asyncio.sleep(jittered(delay))
                 delay = min(delay * 2, 5.0)
                 continue
-            body = resp.json()
-            for task_id in body.get("cancel", []):
-                running = self.running.get(task_id)
-                if running is None:
+            self._accept(resp.json(), sent_as)
+
+    def _accept(self, answer: dict[str, Any], sent_as: int) -> None:
+        """Act on a lease answer (`{tasks, cancel}`) to a request sent when `sent_as` tasks had been started:
+        stop what it cancels, start what it leases."""
+        for task_id in answer.get("cancel", []):
+            running = self.running.get(task_id)
+            if running is None or self._started_as.get(task_id, 0) > sent_as:
+                continue  # not here, or leased to us again since the request that this answers was sent
+            batch = self._batch_of.get(task_id)
+            if batch is not None:  # one process runs the batch: stop it only once no task in it is wanted
+                self._unwanted.add(task_id)
+                if not batch <= self._unwanted:
                     continue
-                batch = self._batch_of.get(task_id)
-                if batch is not None:  # one process runs the batch: stop it only once no task in it is wanted
-                    self._unwanted.add(task_id)
-                    if not batch <= self._unwanted:
-                        continue
-                    self._unwanted -= batch
-                log.info("stopping task %s: the controller no longer assigns it here", task_id)
-                running.cancel()
-            for group in _groups(body.get("tasks", [])):
-                job = asyncio.create_task(self._execute(group))
-                members = frozenset(lease["id"] for lease in group)
-                for lease in group:
-                    self.running[lease["id"]] = job
-                    if len(group) > 1:
-                        self._batch_of[lease["id"]] = members
+                self._unwanted -= batch
+            log.info("stopping task %s: the controller no longer assigns it here", task_id)
+            running.cancel()
+        for group in _groups(answer.get("tasks", [])):
+            job = asyncio.create_task(self._execute(group))
+            members = frozenset(lease["id"] for lease in group)
+            self._started += 1
+            for lease in group:
+                self.running[lease["id"]] = job
+                self._started_as[lease["id"]] = self._started
+                if len(group) > 1:
+                    self._batch_of[lease["id"]] = members
+
+    def _forget(self, task_id: str) -> None:
+        """The task ended here (its result is queued, or the controller stopped it)."""
+        self.running.pop(task_id, None)
+        self._batch_of.pop(task_id, None)
+        self._started_as.pop(task_id, None)
+
+    def _lease_ask(self) -> tuple[bytes, int] | None:
+        """The `lease` a completion carries, encoded, and how many tasks had been started; None when this worker
+        leases no more (it is stopping) or its controller does not take a lease there."""
+        if not self._leasing or "complete_lease" not in self._features:
+            return None
+        ask = {"max_tasks": self.settings.max_lease, "running": self._held()}
+        return encode(ask), self._started
 
     async def _execute(self, leases: list[dict[str, Any]]) -> None:
         """Run one task, or one batch of tasks the controller leased together (same variant, same GPUs).
@@ -495,8 +527,7 @@ class Agent:
         except asyncio.CancelledError:
             reasons = [self._stop_reason.pop(tid, None) for tid in ids]
             for lease in leases:
-                self.running.pop(lease["id"], None)
-                self._batch_of.pop(lease["id"], None)
+                self._forget(lease["id"])
             if all(r is None for r in reasons):
                 for lease in leases:
                     self._event_failures.pop((lease["id"], lease["attempt"]), None)
@@ -520,10 +551,8 @@ class Agent:
                     )
                 except TaskFileError as exc:
                     results[i] = Outcome(False, error=exc.error)
-        await self._clean(files)
         for lease, result in zip(leases, results, strict=True):
-            self.running.pop(lease["id"], None)
-            self._batch_of.pop(lease["id"], None)
+            self._forget(lease["id"])
             usage = {k: v for k, v in (("peak_rss_bytes", outcome.peak_rss_bytes),
                                       ("peak_gpu_memory_bytes", outcome.peak_gpu_memory_bytes),
                                       ("batch_size", len(leases) if batched else None)) if v is not None}  # fmt: skip
@@ -537,6 +566,9 @@ class Agent:
             }  # fmt: skip
             self._completions.append(checked_completion(completion))
         self._completions_ready.set()
+        # the result (and the next lease) go out first; the empty directories can go while they travel
+        await asyncio.sleep(0)
+        await self._clean(files)
 
     async def _clean(self, files: list[TaskFiles]) -> None:
         """Remove the tasks' scratch and output directories (the common case: two rmdir calls, no thread)."""
@@ -671,9 +703,8 @@ class Agent:
             count = len(self._completions)
             await self._post_events()
             self._apply_event_failures(count)
-            await self._post_batch(
-                self._completions, "complete", "results", self._refused_completion, limit=count
-            )
+            await self._post_batch(self._completions, "complete", "results", self._refused_completion,
+                                   limit=count, lease=True)  # fmt: skip
 
     def _apply_event_failures(self, count: int) -> None:
         """Fail each of the first `count` queued successes whose stream lost an event; forget the rest.
@@ -708,13 +739,25 @@ class Agent:
         return None
 
     async def _post_batch(self, buf: list[dict[str, Any]], path: str, key: str, replace: Replace,
-                          limit: int | None = None) -> None:  # fmt: skip
+                          limit: int | None = None, *, lease: bool = False) -> None:  # fmt: skip
         """Deliver the first `limit` items of `buf` (all: None) in batches; each batch leaves `buf` only once
-        every item in it is settled (stored, replaced or dropped), so a cancelled send loses nothing."""
+        every item in it is settled (stored, replaced or dropped), so a cancelled send loses nothing.
+
+        `lease`: each request also asks for work (`_lease_ask`, fresh on every try, so its list of what runs
+        here is never stale), and the tasks in its answer start at once."""
 
         async def post(body: bytes) -> httpx.Response:
-            return await self.http.post(f"/v1/workers/{self.worker_id}/{path}", content=body, timeout=30,
+            ask = self._lease_ask() if lease else None
+            if ask is not None:  # `body` is a JSON object: the lease goes in as one more member
+                body = b'%s,"lease":%s}' % (body[:-1], ask[0])
+            resp = await self.http.post(f"/v1/workers/{self.worker_id}/{path}", content=body, timeout=30,
                                         headers={"Content-Type": "application/json"})  # fmt: skip
+            if ask is not None and resp.is_success:
+                try:
+                    self._accept(resp.json(), ask[1])
+                except Exception:  # the results are in; a lease we could not read is taken back after a while
+                    log.exception("could not read the work a completion's answer leased")
+            return resp
 
         left = len(buf) if limit is None else limit
         while left > 0 and buf:

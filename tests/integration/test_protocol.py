@@ -1,0 +1,360 @@
+"""The worker protocol's exchange: results and the next lease in one request, against a real controller.
+
+A worker stand-in speaks the protocol over HTTP on loopback to a controller subprocess on a real SQLite file
+(the agent itself is tested further down, in-process against the same kind of controller); two replicas on
+one PostgreSQL database race for one worker at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import Cluster, Processes
+from tests.pg import fresh_database
+from turnout.config import ControllerSettings
+from turnout.controller import Controller
+from turnout.gpu.provider import discover
+from turnout.models import Device, TaskSpec, Variant
+from turnout.resources import parse_resources
+from turnout.store import open_store
+from turnout.worker.agent import Agent, AgentSettings, Runnable
+from turnout.worker.processes import EventSink, Outcome, ProcessPool, ProtocolProcess
+
+CONFIG = """
+pipelines:
+  hop2:
+    stages:
+      - {capability: hop, gpu: never}
+      - {capability: hop, gpu: never}
+"""
+
+
+@pytest.fixture(scope="module")
+def controller(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """One controller with the pipeline above; each test registers stand-ins of its own capabilities."""
+    tmp = tmp_path_factory.mktemp("protocol")
+    (tmp / "turnout.yaml").write_text(CONFIG)
+    procs = Processes()
+    try:
+        c = Cluster(
+            tmp, procs, f"sqlite:///{tmp / 'turnout.db'}", extra_args=["--config", str(tmp / "turnout.yaml")]
+        )
+        c.start_controller()
+        yield c
+    finally:
+        procs.stop_all()
+
+
+@dataclass
+class StandIn:
+    """A worker that speaks the protocol by hand: register, lease, complete."""
+
+    c: Cluster
+    id: str
+    headers: dict[str, str]
+    features: list[str]
+
+    def lease(
+        self, max_tasks: int = 16, running: list[str] | None = None, wait_s: float = 0
+    ) -> dict[str, Any]:
+        body = {"max_tasks": max_tasks, "running": running or [], "wait_s": wait_s}
+        resp = self.c.api("POST", f"/v1/workers/{self.id}/lease", json=body, headers=self.headers)
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    def complete(self, results: list[dict[str, Any]], lease: dict[str, Any] | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"results": results}
+        if lease is not None:
+            body["lease"] = lease
+        resp = self.c.api("POST", f"/v1/workers/{self.id}/complete", json=body, headers=self.headers)
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    def heartbeat(self) -> None:
+        resp = self.c.api("POST", f"/v1/workers/{self.id}/heartbeat", json={}, headers=self.headers)
+        assert resp.status_code == 200, resp.text
+
+
+def stand_in(
+    c: Cluster, capability: str, *, cpu: float = 1.0, task_cpu: float = 0.5, heartbeat_s: float = 60
+) -> StandIn:
+    variants = [{"capability": capability, "device": "cpu", "resources": {"cpu": task_cpu}}]
+    body = {"name": f"stand-in-{capability}", "host": "h", "variants": variants, "cpu": cpu, "memory": 2**30,
+            "heartbeat_s": heartbeat_s}  # fmt: skip
+    answer = c.api("POST", "/v1/workers/register", json=body).json()
+    return StandIn(c, answer["id"], {"X-Worker-Secret": answer["secret"]}, answer.get("features", []))
+
+
+@contextlib.contextmanager
+def heartbeating(w: StandIn, every_s: float = 0.3) -> Iterator[None]:
+    """Keep the stand-in alive (a heartbeat every `every_s`) for as long as the block runs."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(every_s):
+            w.heartbeat()
+
+    beater = threading.Thread(target=beat, daemon=True)
+    beater.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        beater.join(timeout=10)
+
+
+def ok(lease: dict[str, Any], output: Any = None) -> dict[str, Any]:
+    return {
+        "task_id": lease["id"],
+        "attempt": lease["attempt"],
+        "status": "succeeded",
+        "output": output or {},
+    }
+
+
+def submit(c: Cluster, capability: str, n: int) -> list[str]:
+    resp = c.api("POST", "/v1/tasks/batch", json={"tasks": [{"capability": capability, "input": {"i": i}}
+                                                             for i in range(n)]})  # fmt: skip
+    assert resp.status_code == 201, resp.text
+    return [t["id"] for t in resp.json()["tasks"]]
+
+
+def task(c: Cluster, task_id: str) -> dict[str, Any]:
+    return c.api("GET", f"/v1/tasks/{task_id}").json()
+
+
+def test_a_completion_carrying_a_lease_answers_its_verdicts_and_the_next_tasks(controller: Cluster) -> None:
+    w = stand_in(controller, "ex1")  # room for two tasks of 0.5 cpu
+    assert w.features == ["complete_lease"]  # named at registration: a worker uses only what is offered
+    ids = submit(controller, "ex1", 4)  # one batch: leased in id order, not the order submitted
+    (first,) = w.lease(max_tasks=1)["tasks"]
+
+    answer = w.complete([ok(first, {"n": 1})], lease={"max_tasks": 16, "running": []})
+
+    assert answer["accepted"] == [first["id"]] and answer["refused"] == [] and answer["cancel"] == []
+    given = {t["id"] for t in answer["tasks"]}
+    assert len(given) == 2 and first["id"] not in given  # the room the result freed, and what was free
+    assert task(controller, first["id"])["state"] == "succeeded"
+    assert {task(controller, i)["worker"] for i in given} == {w.id}
+    (left,) = set(ids) - given - {first["id"]}
+    assert task(controller, left)["state"] == "queued"
+    # without `lease`, the answer is what it always was
+    assert set(w.complete([ok(answer["tasks"][0])])) == {"accepted", "refused"}
+
+
+def test_a_refused_result_is_refused_and_the_lease_it_carries_still_answers(controller: Cluster) -> None:
+    w = stand_in(controller, "ex2", cpu=0.5)  # room for one
+    submit(controller, "ex2", 2)
+    (leased,) = w.lease()["tasks"]
+    late = {**ok(leased), "attempt": leased["attempt"] + 1}  # not the current attempt: refused
+    answer = w.complete([late], lease={"max_tasks": 4, "running": [leased["id"]]})
+    assert answer["accepted"] == [] and answer["refused"] == [leased["id"]]
+    assert answer["tasks"] == [] and answer["cancel"] == []  # still full: the first task still runs here
+
+
+def test_a_pipelines_next_stage_goes_straight_back_to_the_worker_that_ran_the_last(
+    controller: Cluster,
+) -> None:
+    w = stand_in(controller, "hop")
+    run = controller.api("POST", "/v1/pipelines/hop2/runs", json={"input": {"x": 1}}).json()
+    (stage0,) = w.lease()["tasks"]
+    assert stage0["labels"] == {"pipeline": "hop2", "stage": "0"}
+
+    answer = w.complete([ok(stage0, {"first": True})], lease={"max_tasks": 16, "running": []})
+
+    (stage1,) = answer["tasks"]  # queued by the result, leased in the same commit
+    assert stage1["labels"] == {"pipeline": "hop2", "stage": "1"}
+    assert stage1["input"] == {"x": 1, "first": True}
+    assert w.complete([ok(stage1, {"second": True})])["accepted"] == [stage1["id"]]
+    done = controller.api("GET", f"/v1/pipeline-runs/{run['id']}", params={"wait": 10}).json()
+    assert done["state"] == "succeeded"
+    assert [s["worker"] for s in done["stages"]] == [w.id, w.id]
+
+
+def test_concurrent_lease_requests_of_one_worker_never_over_commit_it(controller: Cluster) -> None:
+    """Long polls and completions asking for work, all at once: room comes from the store, so the worker never
+    holds more than fits and no task is leased twice. The polls' lists of what runs are written before the
+    completions' leases and wait past the undelivered grace (3 s): they re-queue none of those leases."""
+    w = stand_in(controller, "ex3", cpu=1.0, task_cpu=0.25, heartbeat_s=1)  # room for four
+    ids = submit(controller, "ex3", 24)
+    with heartbeating(w):
+        held = w.lease(max_tasks=4)["tasks"]
+        assert len(held) == 4
+        running = [t["id"] for t in held]
+
+        def poll() -> dict[str, Any]:
+            return w.lease(max_tasks=16, running=running, wait_s=5)
+
+        def finish(lease: dict[str, Any]) -> dict[str, Any]:
+            rest = [t for t in running if t != lease["id"]]
+            return w.complete([ok(lease)], lease={"max_tasks": 16, "running": rest})
+
+        with ThreadPoolExecutor(max_workers=5) as pool:
+            polls = [pool.submit(poll) for _ in range(3)]
+            exchanges = [pool.submit(finish, lease) for lease in held[:2]]
+            answers = [f.result(timeout=60) for f in exchanges + polls]
+
+        given = [t["id"] for a in answers for t in a["tasks"]]
+        assert len(given) == len(set(given)), "a task was leased twice"
+        assert len(given) == 2, f"two results freed two slots; {len(given)} tasks were leased"
+        states = {i: task(controller, i) for i in ids}
+        active = [i for i, t in states.items() if t["state"] in ("leased", "running")]
+        assert sorted(active) == sorted([*running[2:], *given])  # four, none taken back as undelivered
+        assert all(states[i]["attempts"] == 1 for i in given)
+        assert not any(a["cancel"] for a in answers)
+
+
+# ---- the agent uses the exchange ----------------------------------------------------------------
+
+
+class Napping(ProtocolProcess):
+    """A task process in-process: naps `nap_s` of its input, then answers its input."""
+
+    def __init__(self) -> None:
+        super().__init__([], {})
+
+    async def start(self) -> None:
+        return None
+
+    async def run(self, task_line: str, sink: EventSink, timeout_s: float | None) -> Outcome:
+        data = json.loads(task_line)
+        await asyncio.sleep(float(data.get("nap_s", 0)))
+        return Outcome(True, output=data, started_at=time.time())
+
+
+class Recorded(httpx.AsyncBaseTransport):
+    """Real HTTP to the controller, each `complete` exchange kept (request body and answer) for the test."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.exchanges: list[tuple[dict[str, Any], dict[str, Any]]] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        if request.url.path.endswith("/complete"):
+            await response.aread()
+            self.exchanges.append((json.loads(request.content), json.loads(response.content)))
+        return response
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def agent_for(c: Cluster, capability: str, transport: httpx.AsyncBaseTransport) -> Agent:
+    runnable = Runnable(Variant(capability, Device.CPU, parse_resources({"cpu": 1})),
+                        ProcessPool(lambda key: Napping()), lambda lease: json.dumps(lease["input"]))  # fmt: skip
+    settings = AgentSettings(controller_url=c.url, token=c.token, name=f"agent-{capability}", gpus="none", cpus=1,
+                             heartbeat_s=1, drain_grace_s=2)  # fmt: skip
+    return Agent(settings, [runnable], discover("none"), transport=transport)
+
+
+def test_the_agent_sends_a_result_with_a_lease_and_runs_what_the_answer_leases(controller: Cluster) -> None:
+    """Room for one task: while the first naps, the worker's long poll waits for capacity; the first one's
+    result asks for work, and the second task comes back in that answer and runs."""
+    recorded = Recorded()
+
+    async def go() -> None:
+        agent = agent_for(controller, "nap1", recorded)
+        stop = asyncio.Event()
+        running = asyncio.create_task(agent.run(stop))
+        try:
+            await asyncio.wait_for(agent._registered.wait(), 30)
+            ids = await asyncio.to_thread(
+                lambda: [controller.submit("nap1", {"nap_s": 0.5, "i": i})["id"] for i in range(2)]
+            )
+            for task_id in ids:
+                done = await asyncio.to_thread(controller.result, task_id, 30)
+                assert done["state"] == "succeeded", done
+        finally:
+            stop.set()
+            await asyncio.wait_for(running, 30)
+
+    asyncio.run(go())
+    asked = [(body, answer) for body, answer in recorded.exchanges if "lease" in body]
+    assert asked, "no completion asked for work"
+    leased_by_exchange = [t["id"] for _, answer in asked for t in answer.get("tasks", [])]
+    assert leased_by_exchange, "no task came back in a completion's answer"
+
+
+def test_a_cancel_answers_only_the_tasks_started_before_its_request_was_sent(controller: Cluster) -> None:
+    """Two lease answers may cross: a `cancel` written for an older list must not stop a task leased since."""
+
+    async def go() -> None:
+        agent = agent_for(controller, "nap2", httpx.AsyncHTTPTransport())
+        try:
+            before = agent._started
+            agent._accept({"tasks": [{"id": "t_x", "attempt": 2, "capability": "nap2", "device": "cpu",
+                                      "input": {"nap_s": 30}}], "cancel": []}, before)  # fmt: skip
+            job = agent.running["t_x"]
+            agent._accept({"tasks": [], "cancel": ["t_x"]}, before)  # sent before t_x started: not about it
+            await asyncio.sleep(0.05)
+            assert not job.done()
+            agent._accept({"tasks": [], "cancel": ["t_x"]}, agent._started)  # sent after: it is
+            await asyncio.wait_for(job, 5)
+            assert "t_x" not in agent.running and agent._completions == []  # stopped, and nothing to report
+        finally:
+            for r in agent.runnables.values():
+                await r.pool.close()
+            await agent.http.aclose()
+            agent.files.close()
+
+    asyncio.run(go())
+
+
+# ---- two replicas, one worker -------------------------------------------------------------------
+
+
+@pytest.mark.postgres
+def test_two_replicas_leasing_for_one_worker_at_once_take_turns() -> None:
+    """Replica A leases for a worker and has not committed; replica B's lease for the same worker waits for it,
+    then finds the worker full. Without the hold, B would compute the same free room and lease it again."""
+    with fresh_database() as url:
+        stores = [open_store(url), open_store(url)]
+        try:
+            a, b = (Controller(s, ControllerSettings()) for s in stores)
+            hop = Variant("race", Device.CPU, parse_resources({"cpu": 0.5}))
+            worker = a.register_worker(name="w", host="h", variants=[hop], cpu=1.0, memory_bytes=2**30, gpus=[],
+                                       strategy="pack")  # fmt: skip
+            a.submit("default", [TaskSpec(capability="race", input={"i": i}) for i in range(6)])
+            got: dict[str, int] = {}
+            with stores[0].group():
+                got["a"] = len(a.lease(worker.id, max_tasks=16).leases)
+
+                def other() -> None:
+                    with stores[1].group():
+                        got["b"] = len(b.lease(worker.id, max_tasks=16).leases)
+
+                racer = threading.Thread(target=other)
+                racer.start()
+                racer.join(timeout=1.0)
+                assert racer.is_alive(), "replica B leased while replica A held the worker"
+            racer.join(timeout=30)
+            assert got == {"a": 2, "b": 0}
+        finally:
+            for s in stores:
+                s.close()
+
+
+def test_answers_encoded_in_one_step_still_carry_integers_beyond_64_bits(controller: Cluster) -> None:
+    """orjson writes the hot routes' answers; an input integer it cannot write (past 64 bits) is written by the
+    standard library instead, never a 500: in the submit answer, the task, its result and the lease."""
+    w = stand_in(controller, "big")
+    huge = 2**70 + 1
+    made = controller.api("POST", "/v1/tasks", json={"capability": "big", "input": {"n": huge}})
+    assert made.status_code == 201, made.text
+    assert made.json()["input"] == {"n": huge}
+    (leased,) = w.lease()["tasks"]
+    assert leased["input"] == {"n": huge}
+    assert w.complete([ok(leased, {"m": -huge})])["accepted"] == [leased["id"]]
+    assert controller.result(leased["id"], 10)["output"] == {"m": -huge}
