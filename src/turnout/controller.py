@@ -542,9 +542,9 @@ class Controller:
             if no_gpu is not None and decision.device is Device.CPU:
                 decision = Route(Device.CPU, f"{no_gpu}; {decision.reason}")
             last_error = (task.routing or {}).get("last_error") or {}
-            if last_error.get("type") == "gpu_oom" and decision.device is Device.CPU:
-                decision = Route(Device.CPU, f"gpu out of memory on {', '.join((task.routing or {})['avoid_gpus'])}; "
-                                             f"{decision.reason}")  # fmt: skip
+            avoided = (task.routing or {}).get("avoid_gpus") or []  # none: the OOM came from a CPU run
+            if last_error.get("type") == "gpu_oom" and decision.device is Device.CPU and avoided:
+                decision = Route(Device.CPU, f"gpu out of memory on {', '.join(avoided)}; {decision.reason}")
             res = gpu_res if decision.device is Device.GPU else cpu_res
             assert res is not None  # route() only picks a device whose variant fits
             room.cpu -= res.cpu
