@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +53,10 @@ REDIS_URL = "redis://127.0.0.1:6379/15"
 CHUNK = 1000  # the batch route's limit
 CALLERS = 64  # concurrent one-by-one submitters
 WARMUP = 200
+NOT_INSTALLED = "not installed (pip install -e '.[bench]')"
 NONTERMINAL = ("queued", "leased", "running")
 TERMINAL = ("succeeded", "failed", "cancelled")
+Good = Callable[[dict[str, Any]], bool]  # does a succeeded task show what the phase asked for?
 
 
 # ---- Turnout -----------------------------------------------------------------------------------
@@ -66,37 +69,51 @@ async def _nonterminal(client: AsyncClient) -> int:
 
 
 async def _all_done(client: AsyncClient, last_id: str, timeout_s: float) -> None:
-    """Long-poll the last task submitted (tasks are leased oldest first), then poll until none is in flight."""
-    await client.get_result(last_id, wait=min(timeout_s, 60))
+    """Long-poll the last task submitted until it ends (tasks are leased oldest first, so nearly all have then
+    ended too; a long poll costs the controller next to nothing), then poll `/metrics` for the stragglers."""
     deadline = time.monotonic() + timeout_s
+    while (await client.get_result(last_id, wait=30))["state"] not in TERMINAL:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"task {last_id} still in flight after {timeout_s} s")
     while await _nonterminal(client):
         if time.monotonic() > deadline:
-            raise TimeoutError("tasks still in flight at the deadline")
+            raise TimeoutError(f"tasks still in flight after {timeout_s} s")
         await asyncio.sleep(0.02)
 
 
-async def _states(client: AsyncClient, ids: set[str]) -> Counter[str]:
-    """How many of `ids` ended in each state (pages of `GET /v1/tasks` per state), and on which device."""
-    counts: Counter[str] = Counter()
+async def _count(client: AsyncClient, ids: set[str], good: Good) -> tuple[dict[str, int], int]:
+    """How many of `ids` are in each state (paging `GET /v1/tasks` per state), and how many succeeded as
+    `good` says they should have (on the right device, with the right output)."""
+    states: Counter[str] = Counter()
+    n_good = 0
     for state in (*TERMINAL, *NONTERMINAL):
         cursor: str | None = None
         while True:
             page = await client.tasks(state=state, limit=1000, cursor=cursor)
             for task in page["tasks"]:
                 if task["id"] in ids:
-                    counts[state] += 1
-                    counts[f"{state}:{task.get('device')}"] += 1
+                    states[state] += 1
+                    n_good += state == "succeeded" and good(task)
             cursor = page.get("next_cursor")
             if not cursor:
                 break
-    return counts
+    return dict(states), n_good
 
 
-async def _bulk(client: AsyncClient, cluster: TurnoutCluster, n: int, spec: dict[str, Any], device: str,
+def _on_cpu(task: dict[str, Any]) -> bool:
+    return task.get("device") == "cpu"
+
+
+def _held_a_quarter(task: dict[str, Any]) -> bool:
+    """Ran on the GPU variant, and its handler saw exactly one GPU (its share's device)."""
+    return task.get("device") == "gpu" and task.get("output") == {"gpus": 1}
+
+
+async def _bulk(client: AsyncClient, cluster: TurnoutCluster, n: int, spec: dict[str, Any], good: Good,
                 timeout_s: float, profile: bool = False) -> dict[str, Any]:  # fmt: skip
-    pids = list(cluster.pids().values())
-    profiler = _Profiler(cluster.pids(), RESULTS, "peers-turnout-bulk") if profile else None
-    sys0, cli0 = tree_cpu_s(pids), own_cpu_s()
+    roles = cluster.pids()
+    profiler = _Profiler(roles, RESULTS, "peers-turnout-bulk") if profile else None
+    cpu0, cli0 = {role: tree_cpu_s([pid]) for role, pid in roles.items()}, own_cpu_s()
     t0 = time.perf_counter()
     ids: list[str] = []
     try:
@@ -105,14 +122,14 @@ async def _bulk(client: AsyncClient, cluster: TurnoutCluster, n: int, spec: dict
         submit_s = time.perf_counter() - t0
         await _all_done(client, ids[-1], timeout_s)
         elapsed = time.perf_counter() - t0
-        cpu, client_cpu = tree_cpu_s(pids) - sys0, own_cpu_s() - cli0
+        cpu = {role: tree_cpu_s([pid]) - cpu0[role] for role, pid in roles.items()}
+        client_cpu = own_cpu_s() - cli0
     finally:
         profiles = profiler.stop() if profiler is not None else None
-    states = await _states(client, set(ids))
-    out = phase_figures(
-        n, elapsed, submit_s, states[f"succeeded:{device}"], cpu_s=cpu, client_cpu_s=client_cpu
-    )
-    out["states"] = {k: v for k, v in states.items() if ":" not in k}
+    states, n_good = await _count(client, set(ids), good)
+    out = phase_figures(n, elapsed, submit_s, n_good, cpu_s=sum(cpu.values()), client_cpu_s=client_cpu)
+    out["cpu_ms_per_task_by_role"] = {role: round(1000 * s / n, 3) for role, s in cpu.items()}
+    out["states"] = states
     if profiles is not None:
         out["profile"] = profiles
     return out
@@ -131,8 +148,8 @@ async def _one_by_one(client: AsyncClient, n: int, timeout_s: float) -> dict[str
     submit_s = time.perf_counter() - t0
     await _all_done(client, ids[-1], timeout_s)
     elapsed = time.perf_counter() - t0
-    states = await _states(client, set(ids))
-    return {**phase_figures(n, elapsed, submit_s, states["succeeded:cpu"]), "callers": CALLERS}
+    states, n_good = await _count(client, set(ids), _on_cpu)
+    return {**phase_figures(n, elapsed, submit_s, n_good), "callers": CALLERS, "states": states}
 
 
 async def _latency(client: AsyncClient, n: int) -> dict[str, Any]:
@@ -156,9 +173,9 @@ async def _cpu_phases(cluster: TurnoutCluster, params: dict[str, Any], profile: 
     n, timeout_s = params["n"], params["timeout_s"]
     out: dict[str, Any] = {}
     async with AsyncClient(cluster.url, cluster.token) as client:
-        await _bulk(client, cluster, WARMUP, {"capability": "noop"}, "cpu", timeout_s)
+        await _bulk(client, cluster, WARMUP, {"capability": "noop"}, _on_cpu, timeout_s)
         out["handler_processes"] = _handlers(cluster)
-        out["bulk"] = await _bulk(client, cluster, n, {"capability": "noop"}, "cpu", timeout_s, profile)
+        out["bulk"] = await _bulk(client, cluster, n, {"capability": "noop"}, _on_cpu, timeout_s, profile)
         out["single"] = await _one_by_one(client, n, timeout_s)
         out["latency"] = await _latency(client, params["n_latency"])
     return out
@@ -167,12 +184,14 @@ async def _cpu_phases(cluster: TurnoutCluster, params: dict[str, Any], profile: 
 async def _quarter_phase(cluster: TurnoutCluster, params: dict[str, Any]) -> dict[str, Any]:
     quarter = {"capability": "noop_quarter", "gpu": "require", "resources": {"gpu": 0.25}}
     async with AsyncClient(cluster.url, cluster.token) as client:
-        await _bulk(client, cluster, WARMUP, quarter, "gpu", params["timeout_s"])
-        out = await _bulk(client, cluster, params["n_gpu"], quarter, "gpu", params["timeout_s"])
+        await _bulk(client, cluster, WARMUP, quarter, _held_a_quarter, params["timeout_s"])
+        out = await _bulk(client, cluster, params["n_gpu"], quarter, _held_a_quarter, params["timeout_s"])
     return {**out, "handler_processes": _handlers(cluster)}
 
 
-def _on_fresh_cluster(tmp: Path, app: str, gpus: str, phases: Any) -> dict[str, Any]:
+def _on_fresh_cluster(
+    tmp: Path, app: str, gpus: str, phases: Callable[[TurnoutCluster], Coroutine[Any, Any, dict[str, Any]]]
+) -> dict[str, Any]:
     """Start a controller on a fresh SQLite file and one worker `--cpus 2 --gpus GPUS` serving `app`, run
     `phases(cluster)`, stop both (also on failure, whose logs then come back in the result)."""
     procs = Processes()
@@ -181,7 +200,7 @@ def _on_fresh_cluster(tmp: Path, app: str, gpus: str, phases: Any) -> dict[str, 
     try:
         cluster.start_controller()
         cluster.start_worker(f"bench.peer_app:{app}", "peers", extra=["--cpus", "2", "--gpus", gpus])
-        return dict(asyncio.run(phases(cluster)))
+        return asyncio.run(phases(cluster))
     except Exception as exc:
         logs = {role: cluster.log_tail(role, 1500) for role in ("controller", "worker-peers")}
         return {"error": f"{type(exc).__name__}: {exc}", "logs": logs}
@@ -209,10 +228,18 @@ def turnout_rep(params: dict[str, Any], profile: bool) -> dict[str, Any]:
 # ---- Celery ------------------------------------------------------------------------------------
 
 
-def _celery_missing() -> str | None:
+def installed(*modules: str) -> bool:
+    """Whether these modules can be imported, without importing them (Ray's import alone takes seconds)."""
+    try:
+        return all(importlib.util.find_spec(m) is not None for m in modules)
+    except (ImportError, ValueError):  # ValueError: blocked in sys.modules (None), or a spec-less stand-in
+        return False
+
+
+def celery_missing() -> str | None:
     """Why Celery cannot be measured here (not installed, no Redis), or None."""
-    if importlib.util.find_spec("celery") is None or importlib.util.find_spec("redis") is None:
-        return "not installed (pip install -e '.[bench]')"
+    if not installed("celery", "redis"):
+        return NOT_INSTALLED
     import redis
 
     try:
@@ -305,8 +332,8 @@ def _kill_leftovers(marker: str) -> None:
 
 def ray_rep(params: dict[str, Any]) -> dict[str, Any]:
     """`bench.peer_ray` in its own process with its own temp dir; whatever it leaves behind is killed."""
-    if importlib.util.find_spec("ray") is None:
-        return {"skipped": "not installed (pip install -e '.[bench]')"}
+    if not installed("ray"):
+        return {"skipped": NOT_INSTALLED}
     temp_dir = tempfile.mkdtemp(prefix="rayp-")  # short: Ray's socket paths must fit in 107 bytes
     args = {k: params[k] for k in ("n", "n_latency", "n_gpu", "n_gpu_default", "timeout_s")}
     procs = Processes()
@@ -333,14 +360,14 @@ def ray_rep(params: dict[str, Any]) -> dict[str, Any]:
 # ---- the comparison ----------------------------------------------------------------------------
 
 
-def run(quick: bool = False, profile: bool = False, timeout_s: float = 600) -> dict[str, Any]:
+def run(quick: bool = False, profile: bool = False, timeout_s: float = 1800) -> dict[str, Any]:
     """Interleave the three systems' repetitions (T, C, R, T, C, R, ...), then judge the medians."""
     reps = 1 if quick else 3
     n = 1000 if quick else 10_000
     params = {"n": n, "n_gpu": n, "n_latency": 100 if quick else 500, "n_gpu_default": 40, "reps": reps,
               "chunk": CHUNK, "callers": CALLERS, "timeout_s": timeout_s, "quick": quick}  # fmt: skip
     started, load0 = time.time(), os.getloadavg()
-    why_not_celery = _celery_missing()
+    why_not_celery = celery_missing()
     systems: dict[str, dict[str, Any]] = {name: {"reps": []} for name in LABELS}
     if why_not_celery:
         systems["celery"] = {"skipped": why_not_celery}

@@ -8,13 +8,13 @@ a rep is `{"bulk", "single", "latency", "quarter_gpu"?}` of `peer_measure` figur
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 SYSTEMS = ("turnout", "celery", "ray")
 LABELS = {"turnout": "Turnout (SQLite fsync'd)", "celery": "Celery (prefork -c 2, Redis)",
           "ray": "Ray (num_cpus=2, num_gpus=2)"}  # fmt: skip
+VERDICT = {True: "yes", False: "NO", None: "not judged"}
 # The figures of a row: name -> (phase, key) in each rep.
 FIGURES = {
     "bulk_tasks_per_s": ("bulk", "tasks_per_s"),
@@ -24,6 +24,7 @@ FIGURES = {
     "cpu_ms_per_task": ("bulk", "cpu_ms_per_task"),
     "client_cpu_ms_per_task": ("bulk", "client_cpu_ms_per_task"),
     "quarter_gpu_tasks_per_s": ("quarter_gpu", "tasks_per_s"),
+    "quarter_gpu_default_tasks_per_s": ("quarter_gpu_default", "tasks_per_s"),  # Ray at max_calls=1
 }
 
 
@@ -78,6 +79,13 @@ def row(entry: dict[str, Any]) -> dict[str, Any]:
     for name, (phase, key) in FIGURES.items():
         values = [r[phase][key] for r in reps if r.get(phase, {}).get(key) is not None]
         out[name] = _median(values)
+    by_role = [
+        r["bulk"]["cpu_ms_per_task_by_role"] for r in reps if "cpu_ms_per_task_by_role" in r.get("bulk", {})
+    ]
+    if by_role:
+        out["cpu_ms_per_task_by_role"] = {
+            role: _median([b[role] for b in by_role if role in b]) for role in by_role[0]
+        }
     phases = [p for r in reps for p in r.values() if isinstance(p, dict) and "all_succeeded" in p]
     out["all_succeeded"] = bool(phases) and not errors and all(p["all_succeeded"] for p in phases)
     versions = {r["version"] for r in reps if r.get("version")}
@@ -101,6 +109,19 @@ def _cell_rate(value: float | None) -> str:
     return _num(value, 0 if value is None or value >= 100 else 1)
 
 
+def _notes(rows: dict[str, dict[str, Any]]) -> list[str]:
+    notes = []
+    roles = rows["turnout"].get("cpu_ms_per_task_by_role")
+    if roles:
+        notes.append("Turnout's CPU per task by process tree: "
+                     + ", ".join(f"{role} {_num(ms, 2)} ms" for role, ms in roles.items()) + ".")  # fmt: skip
+    default = rows["ray"].get("quarter_gpu_default_tasks_per_s")
+    if default is not None:
+        notes.append("Ray's quarter-GPU tasks reuse their workers (`max_calls=0`); at Ray's default for GPU tasks "
+                     f"(`max_calls=1`, a new worker process per task) they ran {_cell_rate(default)} tasks/s.")  # fmt: skip
+    return notes
+
+
 def markdown(summary: dict[str, Any], preface: str = "") -> str:
     """The table of figures and the table of aims, as Markdown."""
     lines = [preface, ""] if preface else []
@@ -117,11 +138,13 @@ def markdown(summary: dict[str, Any], preface: str = "") -> str:
         ok = ("yes" if r["all_succeeded"] else "NO") + f" ({r['reps']} reps)"
         lines.append(f"| {label} | {_cell_rate(r['bulk_tasks_per_s'])} | {_cell_rate(r['single_tasks_per_s'])} | "
                      f"{_num(r['p50_ms'], 2)} / {_num(r['p99_ms'], 2)} | {cpu} | {quarter} | {ok} |")  # fmt: skip
+    notes = _notes(summary["rows"])
+    if notes:
+        lines += ["", *notes]
     lines += ["", "| aim | Turnout | peer | ratio | met |", "|---|---|---|---|---|"]
-    verdict: Callable[[Any], str] = lambda met: {True: "yes", False: "NO", None: "not judged"}[met]  # noqa: E731
     for a in summary["aims"]:
         digits = 2 if "p50" in a["aim"] or "CPU" in a["aim"] else 0
         ratio = "-" if a["ratio"] is None else f"{a['ratio']:.2f}x"
         lines.append(f"| {a['aim']} | {_num(a['turnout'], digits)} | {_num(a['peer'], digits)} | {ratio} | "
-                     f"{verdict(a['met'])} |")  # fmt: skip
+                     f"{VERDICT[a['met']]} |")  # fmt: skip
     return "\n".join(lines) + "\n"

@@ -1,9 +1,11 @@
-"""The peer bench's verdict (bench/peer_report.py): medians, ratios and aims from a given result, no processes."""
+"""The peer bench's verdict (bench/peer_report.py) from a given result, and its rows for peers not installed."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
+from bench import bench_peers
 from bench.peer_report import markdown, row, summarize
 
 
@@ -100,7 +102,7 @@ def test_an_aim_is_not_met_when_turnout_lost_tasks_however_fast_it_was() -> None
 
 
 def test_a_peer_that_is_not_installed_gets_a_row_saying_so_and_its_aims_are_not_judged() -> None:
-    systems = {"turnout": {"reps": [rep(1000, 900, 2.0, 1.0, 1200)]},
+    systems: dict[str, dict[str, Any]] = {"turnout": {"reps": [rep(1000, 900, 2.0, 1.0, 1200)]},
                "celery": {"reps": [rep(400, 300, 2.5, 3.0)]}, "ray": {"skipped": "not installed"}}  # fmt: skip
 
     summary = summarize(systems)
@@ -134,3 +136,34 @@ def test_the_table_shows_versions_medians_and_celery_without_a_quarter_gpu_case(
         in lines
     )
     assert "| CPU per task <= Ray's | 13.20 | 1.00 | 13.20x | NO |" in lines
+
+
+def test_notes_give_turnouts_cpu_by_process_and_rays_default_gpu_workers() -> None:
+    t1, t2 = rep(100, 90, 10.0, 13.0, 250), rep(120, 95, 11.0, 11.0, 260)
+    t1["bulk"]["cpu_ms_per_task_by_role"] = {"controller": 6.0, "worker-peers": 7.0}
+    t2["bulk"]["cpu_ms_per_task_by_role"] = {"controller": 4.0, "worker-peers": 7.5}
+    ray = rep(1590, 1590, 2.13, 1.0, 1800)
+    ray["quarter_gpu_default"] = {"tasks_per_s": 1.14, "all_succeeded": True}
+    systems: dict[str, dict[str, Any]] = {
+        "turnout": {"reps": [t1, t2]},
+        "celery": {"skipped": "no Redis"},
+        "ray": {"reps": [ray]},
+    }
+
+    summary = summarize(systems)
+    text = markdown(summary)
+
+    assert summary["rows"]["turnout"]["cpu_ms_per_task_by_role"] == {"controller": 5.0, "worker-peers": 7.25}
+    assert summary["rows"]["ray"]["quarter_gpu_default_tasks_per_s"] == 1.14
+    assert "Turnout's CPU per task by process tree: controller 5.00 ms, worker-peers 7.25 ms." in text
+    assert "(`max_calls=1`, a new worker process per task) they ran 1.1 tasks/s." in text
+    assert "| Celery (prefork -c 2, Redis) | no Redis |" in text
+
+
+def test_a_peer_whose_package_cannot_be_imported_is_skipped_as_not_installed(monkeypatch: Any) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if absent: importing it raises ImportError
+    monkeypatch.setitem(sys.modules, "celery", None)
+
+    assert bench_peers.ray_rep({}) == {"skipped": bench_peers.NOT_INSTALLED}
+    assert bench_peers.celery_missing() == bench_peers.NOT_INSTALLED
+    assert bench_peers.installed("json") and not bench_peers.installed("no_such_module_for_sure")
