@@ -30,6 +30,7 @@ BENCHES = (
     "pipelines",
     "replicas",
     "files",
+    "peers",
 )
 QUICK_SECONDS = 2.0
 
