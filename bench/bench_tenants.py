@@ -49,7 +49,10 @@ DRAIN_CLIENTS = 8
 
 def config(reserved_share: float | None) -> str:
     share = f", reserved_share: {reserved_share}" if reserved_share is not None else ""
-    return f'limits:\n  "*": {{submit_per_s: 200{share}}}\n  flood-50: {{submit_per_s: 50}}\n'
+    return (
+        f'limits:\n  "*": {{submit_per_s: 200{share}}}\n  flood-50: {{submit_per_s: 50}}\n'
+        "  over: {submit_per_s: 0.01}\n"
+    )
 
 
 PARTS = ("post", "queue", "finish", "answer")  # where a sample's time went, in order (see _latency)
@@ -221,6 +224,40 @@ def _drain(url: str, token: str, timeout_s: float = 120) -> int:
     raise RuntimeError(f"the flooding tenant's tasks did not end within {timeout_s:g} s")
 
 
+def _refusal_cost(url: str, token: str, controller: psutil.Process, n: int) -> dict[str, Any]:
+    """The controller's CPU per refused submission: a tenant over its rate (one submission in 100 s) sends n
+    more from FLOOD_CLIENTS concurrent connections; CPU seconds the controller used over the 429s."""
+
+    async def send_all() -> list[int]:
+        limits = httpx.Limits(max_connections=FLOOD_CLIENTS, max_keepalive_connections=FLOOD_CLIENTS)
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30,
+                                     limits=limits) as http:  # fmt: skip
+            codes: list[int] = []
+
+            async def client(count: int) -> None:
+                for _ in range(count):
+                    resp = await http.post(
+                        "/v1/tasks", json={"capability": "sleep", "input": {"seconds": 0.1}}
+                    )
+                    codes.append(resp.status_code)
+
+            await asyncio.gather(*(client(n // FLOOD_CLIENTS) for _ in range(FLOOD_CLIENTS)))
+            return codes
+
+    first = httpx.post(f"{url}/v1/tasks", headers={"Authorization": f"Bearer {token}"}, timeout=30,
+                       json={"capability": "noop"})  # takes its one token (if left), and has its token cached  # fmt: skip
+    if first.status_code not in (201, 429):
+        raise RuntimeError(f"a submission of tenant `over` answered {first.status_code}: {first.text}")
+    cpu0, t0 = sum(controller.cpu_times()[:2]), time.perf_counter()
+    codes = asyncio.run(send_all())
+    cpu, elapsed = sum(controller.cpu_times()[:2]) - cpu0, time.perf_counter() - t0
+    refused = codes.count(429)
+    if refused < len(codes) * 0.99:
+        raise RuntimeError(f"expected only 429s, got {sorted(set(codes))}")
+    return {"refused": refused, "controller_cpu_us_each": round(1e6 * cpu / refused, 1),
+            "per_s": round(refused / elapsed, 1)}  # fmt: skip
+
+
 def _alone(url: str, token: str, n: int, warmup: int, controller: psutil.Process) -> dict[str, Any]:
     with _Cpu(controller) as cpu:
         out = _latency(url, token, n, warmup)
@@ -236,6 +273,10 @@ def _flooded(
         backlog_before = _queued(cluster.url, cluster.token)
         calm = _alone(cluster.url, tokens["calm"], n, warmup, controller)
         backlog_after = _queued(cluster.url, cluster.token)
+    if flood.accepted == 0 or flood.proc.exitcode not in (0, None):
+        raise RuntimeError(
+            f"the flood did not run (exit code {flood.proc.exitcode}, {flood.accepted} accepted)"
+        )
     cancelled = _drain(cluster.url, tokens[tenant])
     return {**calm, "backlog": [backlog_before, backlog_after], "cancelled_after": cancelled,
             "accepted_per_s": round(flood.accepted / flood.elapsed_s, 1),
@@ -257,7 +298,7 @@ def run(
             for name in ("pool-1", "pool-2"):
                 cluster.start_worker("turnout.demo:app", name, extra=["--cpus", "0.4"])
             tokens = {}
-            for tenant in ("calm", "flood", "flood-50"):
+            for tenant in ("calm", "flood", "flood-50", "over"):
                 made = httpx.post(f"{cluster.url}/v1/tokens", headers=cluster.headers, timeout=30,
                                   json={"role": "submit", "tenant": tenant}).json()  # fmt: skip
                 tokens[tenant] = made["token"]
@@ -291,6 +332,7 @@ def run(
                     "p50_ratio_each": [round(percentile(r["samples"], 50) / percentile(b["samples"], 50), 2)
                                        for r, b in zip(runs, before[phase], strict=True)],
                 }  # fmt: skip
+            out["refusals"] = _refusal_cost(cluster.url, tokens["over"], controller, 500 if quick else 2000)
             out["aim_p50_ratio"] = AIM_P50_RATIO
             out["meets_aim"] = {
                 phase: out[phase]["p50_ratio"] <= AIM_P50_RATIO and out[phase]["calm"]["failed"] == 0
@@ -325,4 +367,8 @@ def summary(result: dict[str, Any]) -> str:
             f"{met}; flood {s['accepted_per_s']}/s accepted, {s['refused_per_s']}/s refused (429); "
             f"its queue {p['backlog']}, cancelled after {p['cancelled_after']}",
         ]  # fmt: skip
+    r = result["refusals"]
+    lines.append(
+        f"  refused submissions: {r['refused']} at {r['per_s']}/s, controller CPU {r['controller_cpu_us_each']} us each"
+    )
     return "\n".join(lines)

@@ -433,6 +433,8 @@ class Controller:
         slots = min(max_tasks, int((room.cpu + 1e-9) / smallest) if smallest > 0 else max_tasks)
         window = min(self.settings.lease_window, max(16, 4 * slots))
         shares = self._reservations(worker, mine.values(), tenant, now)  # tenancy.Reservations
+        if shares is not None and not shares.anyone_may_take(self._tenants_queued(), smallest, room.cpu):
+            return LeaseResult([], cancel)  # what is free here is kept for tenants with nothing queued
         for task in self._queue(caps, window, tenant):
             if len(leases) >= max_tasks or (room.cpu + 1e-9 < smallest and not book.has_room()):
                 break

@@ -305,6 +305,11 @@ class Reservations:
         owed = self.owed_to_others(tenant)
         return owed <= 1e-9 or free_cpu - cpu >= owed - 1e-9
 
+    def anyone_may_take(self, tenants: Iterable[str], cpu: float, free_cpu: float) -> bool:
+        """May any of `tenants` (those with tasks queued) take a task of at least `cpu` now? If not, a lease
+        here can take nothing, and need not read the queue to find that out."""
+        return free_cpu + 1e-9 >= cpu and any(self.may_take(t, cpu, free_cpu) for t in tenants)
+
     def take(self, tenant: str, cpu: float, free_cpu: float) -> bool:
         """`may_take`, recording the task as held when it may."""
         if not self.may_take(tenant, cpu, free_cpu):

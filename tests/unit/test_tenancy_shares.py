@@ -108,6 +108,25 @@ def test_a_refusal_is_only_ever_for_another_tenants_unmet_guarantee(
     assert free - cpu < sum(max(0.0, v) for v in owed.values())
 
 
+@given(tables, st.floats(0.1, 64), helds, st.sets(st.sampled_from(TENANTS), min_size=2),
+       st.sets(st.sampled_from(TENANTS)), st.floats(0.01, 4), st.floats(0, 64), st.floats(0, 4))  # fmt: skip
+def test_when_no_queued_tenant_may_take_the_smallest_task_none_may_take_a_bigger_one(
+    table: LimitsTable,
+    capacity: float,
+    held: dict[str, float],
+    with_work: set[str],
+    queued: set[str],
+    smallest: float,
+    free: float,
+    more: float,
+) -> None:
+    share = reservations(table, capacity, held, with_work)
+    if share is None or share.anyone_may_take(queued, smallest, free):
+        return
+    for tenant in queued:  # the lease that skips reading the queue would have taken nothing
+        assert free + 1e-9 < smallest + more or not share.may_take(tenant, smallest + more, free)
+
+
 @given(tables, st.integers(1, 16), st.sets(st.sampled_from(TENANTS), min_size=2), st.integers(0, 3))
 def test_tenants_that_all_have_queued_work_leave_no_slot_idle(
     table: LimitsTable, slots: int, with_work: set[str], start: int
