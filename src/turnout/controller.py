@@ -433,7 +433,7 @@ class Controller:
         slots = min(max_tasks, int((room.cpu + 1e-9) / smallest) if smallest > 0 else max_tasks)
         window = min(self.settings.lease_window, max(16, 4 * slots))
         shares = self._reservations(worker, mine.values(), tenant, now)  # tenancy.Reservations
-        if shares is not None and not shares.anyone_may_take(self._tenants_queued(), smallest, room.cpu):
+        if shares is not None and not shares.anyone_may_take(smallest, room.cpu):
             return LeaseResult([], cancel)  # what is free here is kept for tenants with nothing queued
         for task in self._queue(caps, window, tenant):
             if len(leases) >= max_tasks or (room.cpu + 1e-9 < smallest and not book.has_room()):
@@ -528,6 +528,8 @@ class Controller:
             res = gpu_res if decision.device is Device.GPU else cpu_res
             assert res is not None  # route() only picks a device whose variant fits
             if shares is not None and not shares.take(task.tenant, res.cpu, room.cpu):
+                if not book.has_room() and not shares.anyone_may_take(smallest, room.cpu):
+                    break  # the rest is kept for tenants with nothing queued: read no further
                 continue  # the rest of this shared worker is another tenant's reserved_share
             room.cpu -= res.cpu
             room.memory_bytes -= res.memory_bytes
@@ -590,8 +592,8 @@ class Controller:
         held: dict[str, float] = {}
         for t in mine:
             held[t.tenant] = held.get(t.tenant, 0.0) + float((t.alloc or {}).get("cpu", 0))
-        with_work = self._tenants_queued() | self._recent.within(now)
-        return reservations(self.settings.tenant_limits, worker.cpu, held, with_work)
+        queued = self.store.queued_tenants()  # fresh: who may take decides whether the queue is read at all
+        return reservations(self.settings.tenant_limits, worker.cpu, held, queued, self._recent.within(now))
 
     def _auto_fleet(self, workers: Sequence[Worker]) -> profiles.Fleet:
         """What `gpu: auto` weighs, read once per lease request: profiles, and the work queued and running."""

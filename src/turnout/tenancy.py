@@ -288,11 +288,13 @@ class Reservations:
     Another tenant may take a task there only if the CPU left free after it still covers what every other
     guaranteed tenant lacks (its guarantee less what it holds there), so that tenant's next task starts at
     once instead of waiting for a slot to free. A tenant below its own guarantee may always take one more
-    task. `take` records what the lease takes, so later decisions in the same lease see it.
+    task. `take` records what the lease takes, so later decisions in the same lease see it. A refusal holds
+    for the rest of the lease: what others take after it only leaves less free.
     """
 
     guaranteed: dict[str, float]  # tenant -> CPU guaranteed to it on this worker
     held: dict[str, float]  # tenant -> CPU its tasks hold there now
+    queued: frozenset[str] = frozenset()  # tenants with tasks queued now
 
     def owed_to_others(self, tenant: str) -> float:
         """CPU that must stay free for the other tenants' guarantees."""
@@ -305,10 +307,10 @@ class Reservations:
         owed = self.owed_to_others(tenant)
         return owed <= 1e-9 or free_cpu - cpu >= owed - 1e-9
 
-    def anyone_may_take(self, tenants: Iterable[str], cpu: float, free_cpu: float) -> bool:
-        """May any of `tenants` (those with tasks queued) take a task of at least `cpu` now? If not, a lease
-        here can take nothing, and need not read the queue to find that out."""
-        return free_cpu + 1e-9 >= cpu and any(self.may_take(t, cpu, free_cpu) for t in tenants)
+    def anyone_may_take(self, cpu: float, free_cpu: float) -> bool:
+        """May any tenant with tasks queued take a task of at least `cpu` now? If not, a lease here takes
+        nothing more, and need not read (further) into the queue to find that out."""
+        return free_cpu + 1e-9 >= cpu and any(self.may_take(t, cpu, free_cpu) for t in self.queued)
 
     def take(self, tenant: str, cpu: float, free_cpu: float) -> bool:
         """`may_take`, recording the task as held when it may."""
@@ -319,12 +321,17 @@ class Reservations:
 
 
 def reservations(
-    limits: LimitsTable, capacity_cpu: float, held: Mapping[str, float], with_work: Collection[str]
+    limits: LimitsTable,
+    capacity_cpu: float,
+    held: Mapping[str, float],
+    queued: Collection[str],
+    recent: Collection[str] = (),
 ) -> Reservations | None:
-    """What a shared worker of `capacity_cpu` keeps for each tenant in `with_work` (tasks queued, or a recent
+    """What a shared worker of `capacity_cpu` keeps for each tenant with work (tasks `queued`, or a `recent`
     submission): min(its `reserved_share`, 1 / the number of tenants with work) of the worker, so the
     guarantees never add up to more than the worker. None, reserving nothing, when fewer than two tenants
     have work or none of them has a `reserved_share`: a tenant alone is never kept from a free slot."""
+    with_work = set(queued) | set(recent)
     if len(with_work) < 2:
         return None
     fair = 1.0 / len(with_work)
@@ -333,4 +340,4 @@ def reservations(
         share = limits.of(tenant).reserved_share
         if share is not None:
             guaranteed[tenant] = min(share, fair) * capacity_cpu
-    return Reservations(guaranteed, dict(held)) if guaranteed else None
+    return Reservations(guaranteed, dict(held), frozenset(queued)) if guaranteed else None

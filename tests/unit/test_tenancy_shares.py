@@ -69,8 +69,9 @@ def test_no_tenant_is_refused_a_slot_when_no_other_tenant_has_work(
     table: LimitsTable, capacity: float, held: dict[str, float], tenant: str, cpu: float, free: float
 ) -> None:
     for with_work in (set(), {tenant}):
-        share = reservations(table, capacity, held, with_work)
-        assert share is None or share.may_take(tenant, cpu, free)
+        for queued, recent in ((with_work, set()), (set(), with_work)):
+            share = reservations(table, capacity, held, queued, recent)
+            assert share is None or share.may_take(tenant, cpu, free)
 
 
 @given(tables, st.floats(0.1, 64), helds, st.sets(st.sampled_from(TENANTS), min_size=2))
@@ -120,11 +121,34 @@ def test_when_no_queued_tenant_may_take_the_smallest_task_none_may_take_a_bigger
     free: float,
     more: float,
 ) -> None:
-    share = reservations(table, capacity, held, with_work)
-    if share is None or share.anyone_may_take(queued, smallest, free):
+    share = reservations(table, capacity, held, queued, with_work)
+    if share is None or share.anyone_may_take(smallest, free):
         return
     for tenant in queued:  # the lease that skips reading the queue would have taken nothing
         assert free + 1e-9 < smallest + more or not share.may_take(tenant, smallest + more, free)
+
+
+@given(tables, st.floats(0.1, 64), helds, st.sets(st.sampled_from(TENANTS), min_size=2),
+       st.sampled_from(TENANTS), st.floats(0.01, 4), st.floats(0, 64),
+       st.lists(st.tuples(st.sampled_from(TENANTS), st.floats(0.01, 4)), max_size=10))  # fmt: skip
+def test_a_refusal_holds_whatever_the_same_lease_takes_after_it(
+    table: LimitsTable,
+    capacity: float,
+    held: dict[str, float],
+    with_work: set[str],
+    tenant: str,
+    cpu: float,
+    free: float,
+    later: list[tuple[str, float]],
+) -> None:
+    """So a lease may stop reading the queue once no tenant with tasks queued may take the smallest task."""
+    share = reservations(table, capacity, held, with_work)
+    if share is None or share.may_take(tenant, cpu, free):
+        return
+    for other, size in later:
+        if free >= size and share.take(other, size, free):
+            free -= size
+        assert not share.may_take(tenant, cpu, free)
 
 
 @given(tables, st.integers(1, 16), st.sets(st.sampled_from(TENANTS), min_size=2), st.integers(0, 3))
