@@ -12,7 +12,7 @@ import difflib
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -43,7 +43,15 @@ from turnout.models import (
 from turnout.routing import ClusterView, Route, WorkerOffer, route, servable
 from turnout.store import Store
 from turnout.store.replicas import hold_worker
-from turnout.tenancy import TenantBuckets, fair_order, gpu_allocation_rule, round_robin
+from turnout.tenancy import (
+    RecentTenants,
+    Reservations,
+    TenantBuckets,
+    fair_order,
+    gpu_allocation_rule,
+    reservations,
+    round_robin,
+)
 
 log = logging.getLogger("turnout.controller")
 
@@ -145,6 +153,7 @@ class Controller:
         self.gpu_allocations = TenantBuckets(gpu_allocation_rule(settings.tenant_limits), clock)
         self._queued_tenants: tuple[float, set[str]] | None = None
         self._turn = 0  # which tenant's queue a lease looks at first: rotates, so none is always first
+        self._recent = RecentTenants()  # who submitted lately: they keep their reserved_share
         from turnout.runs import PipelineRuns
 
         self.runs = PipelineRuns(self)  # pipeline runs: advanced in the same call that ends a stage
@@ -188,6 +197,7 @@ class Controller:
 
     def queued_for(self, tenant: str) -> None:
         """A task of `tenant` is being queued: shared workers look at its queue from now on."""
+        self._recent.saw(tenant, self.clock())
         if self._queued_tenants is not None:
             self._queued_tenants[1].add(tenant)
 
@@ -455,6 +465,9 @@ class Controller:
         # look a little past what fits (not the whole window) unless the head of the queue is not for us
         slots = min(max_tasks, int((room.cpu + 1e-9) / smallest) if smallest > 0 else max_tasks)
         window = min(self.settings.lease_window, max(16, 4 * slots))
+        shares = self._reservations(worker, mine.values(), tenant, now)  # tenancy.Reservations
+        if shares is not None and not shares.anyone_may_take(smallest, room.cpu):
+            return LeaseResult([], cancel)  # what is free here is kept for tenants with nothing queued
         for task in self._queue(caps, window, tenant):
             if len(leases) >= max_tasks or (room.cpu + 1e-9 < smallest and not book.has_room()):
                 break
@@ -547,6 +560,10 @@ class Controller:
                 decision = Route(Device.CPU, f"gpu out of memory on {', '.join(avoided)}; {decision.reason}")
             res = gpu_res if decision.device is Device.GPU else cpu_res
             assert res is not None  # route() only picks a device whose variant fits
+            if shares is not None and not shares.take(task.tenant, res.cpu, room.cpu):
+                if not book.has_room() and not shares.anyone_may_take(smallest, room.cpu):
+                    break  # the rest is kept for tenants with nothing queued: read no further
+                continue  # the rest of this shared worker is another tenant's reserved_share
             room.cpu -= res.cpu
             room.memory_bytes -= res.memory_bytes
             grant_dict = None
@@ -599,6 +616,18 @@ class Controller:
             self._audit_allocations(worker_id, allocated, now)
         full = bool(leases) and room.cpu + 1e-9 < smallest  # what it was given filled it
         return LeaseResult(leases, cancel, full=full, retry_in_s=retry_in_s)
+
+    def _reservations(
+        self, worker: Worker, mine: Iterable[Task], tenant: str, now: float
+    ) -> Reservations | None:
+        """What a shared worker keeps for each tenant with work (`tenancy.reservations`); None: nothing."""
+        if tenant != ALL_TENANTS or not self.settings.tenant_limits.any_reserved_share:
+            return None
+        held: dict[str, float] = {}
+        for t in mine:
+            held[t.tenant] = held.get(t.tenant, 0.0) + float((t.alloc or {}).get("cpu", 0))
+        queued = self.store.queued_tenants()  # fresh: who may take decides whether the queue is read at all
+        return reservations(self.settings.tenant_limits, worker.cpu, held, queued, self._recent.within(now))
 
     def _auto_fleet(self, workers: Sequence[Worker]) -> profiles.Fleet:
         """What `gpu: auto` weighs, read once per lease request: profiles, and the work queued and running."""

@@ -1,9 +1,11 @@
-"""Per-tenant limits and fairness: the `limits:` section of turnout.yaml, token buckets, round-robin queues.
+"""Per-tenant limits and fairness: the `limits:` section of turnout.yaml, token buckets, round-robin queues,
+and the share of a shared worker held for each tenant with work.
 
 Pure: time comes in as an argument (or an injected clock), so the rules are tested as properties
-(tests/unit/test_tenancy.py) without sleeping. The API takes submission tokens before touching the
-database (a 429 costs a flooding tenant nothing and the others nothing); the controller takes GPU
-allocation tokens and checks the GPU quota where it allocates, at lease time.
+(tests/unit/test_tenancy*.py) without sleeping. The API takes submission tokens before touching the
+database, and refuses a submission over the rate before reading its body where that answer is already
+certain (`early_refusal`, api/gate.py); the controller takes GPU allocation tokens, checks the GPU quota
+and keeps each tenant's `reserved_share` of a shared worker where it leases (`Reservations`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
@@ -29,6 +31,7 @@ class TenantLimits:
     submit_per_s: float | None = None  # tasks accepted per second (a batch of N counts N)
     gpu_allocations_per_min: float | None = None  # GPU grants per minute, by the allocator
     max_gpus: float | None = None  # GPUs held at once (a share counts its fraction)
+    reserved_share: float | None = None  # of each shared worker's CPU, held for the tenant while it has work
 
 
 @dataclass(frozen=True)
@@ -45,8 +48,17 @@ class LimitsTable:
     def any_gpu_quota(self) -> bool:
         return any(t.max_gpus is not None for t in (self.default, *self.tenants.values()))
 
+    @property
+    def any_reserved_share(self) -> bool:
+        return any(t.reserved_share is not None for t in (self.default, *self.tenants.values()))
+
 
 _KEYS = tuple(f.name for f in fields(TenantLimits))
+_POSITIVE: tuple[Callable[[float], bool], str] = (lambda v: v > 0, "a number > 0")
+_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {  # every other limit: _POSITIVE
+    "max_gpus": (lambda v: v >= 0, "a number >= 0"),
+    "reserved_share": (lambda v: 0 < v <= 1, "a fraction > 0 and <= 1"),
+}
 
 
 def parse_limits(raw: Any, source: str | None = None) -> LimitsTable:
@@ -76,14 +88,13 @@ def parse_limits(raw: Any, source: str | None = None) -> LimitsTable:
             where = f"{key}.{name}"
             if name not in _KEYS:
                 raise InvalidInput(f"{prefix}{where}: unknown limit (use {', '.join(_KEYS)})", field=where)
-            minimum = 0.0 if name == "max_gpus" else None
+            valid, need = _RANGES.get(name, _POSITIVE)
             if (
                 isinstance(value, bool)
                 or not isinstance(value, int | float)
                 or not math.isfinite(value)
-                or (value < 0 if minimum is not None else value <= 0)
+                or not valid(value)
             ):
-                need = "a number >= 0" if minimum is not None else "a number > 0"
                 raise InvalidInput(f"{prefix}{where}: expected {need}, got {value!r}", field=where)
             values[name] = float(value)
         parsed[str(tenant)] = values
@@ -193,16 +204,31 @@ def admit_submission(
     wait_submit = submissions.wait_s(tenant, n)
     wait_gpu = gpu_only.wait_s(tenant, n_gpu_only) if n_gpu_only else 0.0
     if wait_submit > 0 or wait_gpu > 0:
-        what, field = (
-            ("submit_per_s", None) if wait_submit >= wait_gpu else ("gpu_allocations_per_min", "gpu")
-        )
-        wait = max(wait_submit, wait_gpu)
-        raise RateLimited(
-            f"tenant {tenant!r} is over its {what}; retry after {wait:.2f} s", retry_after_s=wait, field=field
-        )
+        raise _refusal(tenant, wait_submit, wait_gpu)
     submissions.take(tenant, n)
     if n_gpu_only:
         gpu_only.take(tenant, n_gpu_only)
+
+
+def early_refusal(submissions: TenantBuckets, gpu_only: TenantBuckets, tenant: str) -> RateLimited | None:
+    """The 429 `admit_submission` would answer to one submission of `tenant`, when its body cannot change it.
+
+    That is when the tenant is over `submit_per_s` for even one task, and its GPU allocation rate would not
+    refuse it for longer (a GPU-only task would then be refused naming `gpu`, with that wait). None: the
+    answer depends on the body, which the route reads and admits as usual. Takes nothing.
+    """
+    wait_submit = submissions.wait_s(tenant, 1)
+    if wait_submit <= 0 or gpu_only.wait_s(tenant, 1) > wait_submit:
+        return None
+    return _refusal(tenant, wait_submit, 0.0)
+
+
+def _refusal(tenant: str, wait_submit: float, wait_gpu: float) -> RateLimited:
+    what, field = ("submit_per_s", None) if wait_submit >= wait_gpu else ("gpu_allocations_per_min", "gpu")
+    wait = max(wait_submit, wait_gpu)
+    return RateLimited(
+        f"tenant {tenant!r} is over its {what}; retry after {wait:.2f} s", retry_after_s=wait, field=field
+    )
 
 
 def fair_order(tenants: Iterable[str], active: Mapping[str, int], turn: int) -> list[str]:
@@ -230,3 +256,88 @@ def round_robin(sources: Iterable[Iterable[T]], start: int = 0) -> Iterator[T]:
                 alive.append(it)
                 break
         iters = alive
+
+
+# ---- reserved shares of shared workers -----------------------------------------------------------
+
+RECENT_S = 2.0  # a tenant that submitted this recently still has work: its client may be between two tasks
+
+
+class RecentTenants:
+    """Who submitted in the last `window_s` (by the controller's clock): a client that submits its next task
+    as its last one ends has nothing queued in between, yet it has work."""
+
+    def __init__(self, window_s: float = RECENT_S) -> None:
+        self.window_s = window_s
+        self._last: dict[str, float] = {}
+
+    def saw(self, tenant: str, now: float) -> None:
+        self._last[tenant] = now
+
+    def within(self, now: float) -> set[str]:
+        for tenant, at in list(self._last.items()):
+            if now - at > self.window_s:
+                self._last.pop(tenant, None)
+        return set(self._last)
+
+
+@dataclass
+class Reservations:
+    """The CPU of one shared worker guaranteed to each tenant with work, for one lease request.
+
+    Another tenant may take a task there only if the CPU left free after it still covers what every other
+    guaranteed tenant lacks (its guarantee less what it holds there), so that tenant's next task starts at
+    once instead of waiting for a slot to free. A tenant below its own guarantee may always take one more
+    task. `take` records what the lease takes, so later decisions in the same lease see it. A refusal holds
+    for the rest of the lease: what others take after it only leaves less free.
+    """
+
+    guaranteed: dict[str, float]  # tenant -> CPU guaranteed to it on this worker
+    held: dict[str, float]  # tenant -> CPU its tasks hold there now
+    queued: frozenset[str] = frozenset()  # tenants with tasks queued now
+
+    def owed_to_others(self, tenant: str) -> float:
+        """CPU that must stay free for the other tenants' guarantees."""
+        return sum(max(0.0, g - self.held.get(t, 0.0)) for t, g in self.guaranteed.items() if t != tenant)
+
+    def may_take(self, tenant: str, cpu: float, free_cpu: float) -> bool:
+        """May `tenant` take a task needing `cpu` of the `free_cpu` left? (Whether it fits is not asked.)"""
+        if self.held.get(tenant, 0.0) < self.guaranteed.get(tenant, 0.0) - 1e-9:
+            return True
+        owed = self.owed_to_others(tenant)
+        return owed <= 1e-9 or free_cpu - cpu >= owed - 1e-9
+
+    def anyone_may_take(self, cpu: float, free_cpu: float) -> bool:
+        """May any tenant with tasks queued take a task of at least `cpu` now? If not, a lease here takes
+        nothing more, and need not read (further) into the queue to find that out."""
+        return free_cpu + 1e-9 >= cpu and any(self.may_take(t, cpu, free_cpu) for t in self.queued)
+
+    def take(self, tenant: str, cpu: float, free_cpu: float) -> bool:
+        """`may_take`, recording the task as held when it may."""
+        if not self.may_take(tenant, cpu, free_cpu):
+            return False
+        self.held[tenant] = self.held.get(tenant, 0.0) + cpu
+        return True
+
+
+def reservations(
+    limits: LimitsTable,
+    capacity_cpu: float,
+    held: Mapping[str, float],
+    queued: Collection[str],
+    recent: Collection[str] = (),
+) -> Reservations | None:
+    """What a shared worker of `capacity_cpu` keeps for each tenant with work (tasks `queued`, or a `recent`
+    submission): min(its `reserved_share`, 1 / the number of tenants with work) of the worker, so the
+    guarantees never add up to more than the worker. None, reserving nothing, when fewer than two tenants
+    have work or none of them has a `reserved_share`: a tenant alone is never kept from a free slot."""
+    with_work = set(queued) | set(recent)
+    if len(with_work) < 2:
+        return None
+    fair = 1.0 / len(with_work)
+    guaranteed = {}
+    for tenant in with_work:
+        share = limits.of(tenant).reserved_share
+        if share is not None:
+            guaranteed[tenant] = min(share, fair) * capacity_cpu
+    return Reservations(guaranteed, dict(held), frozenset(queued)) if guaranteed else None

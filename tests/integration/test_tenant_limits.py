@@ -1,17 +1,21 @@
-"""Per-tenant rate limits and GPU quotas from turnout.yaml, on a real controller and worker.
+"""Per-tenant rate limits, GPU quotas and reserved shares from turnout.yaml, on a real controller and worker.
 
 Tenants here: `flood` and `sdk` get the default (5 submissions a second), `calm` a high rate, `quota` at
-most one GPU at a time, `gpurate` two GPU allocations a minute, `slow` and `piped` one submission in 5 s. Tests only check correctness; how well the
-calm tenant's latency holds up under a flood is measured in bench/bench_tenants.py.
+most one GPU at a time, `gpurate` two GPU allocations a minute, `slow`, `piped` and `door` one submission
+in 5 s. A second cluster keeps a quarter of its shared worker for each tenant with work. Tests only check
+correctness; how well the calm tenant's latency holds up under a flood is measured in bench/bench_tenants.py.
 """
 
 from __future__ import annotations
 
+import json
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +35,7 @@ limits:
   gpurate: {submit_per_s: 1000, gpu_allocations_per_min: 2}
   slow:    {submit_per_s: 0.2}
   piped:   {submit_per_s: 0.2}
+  door:    {submit_per_s: 0.2}
 pipelines:
   triple:
     stages:
@@ -52,7 +57,7 @@ def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster,
         c.start_controller()
         c.start_worker(APP, gpus="fake:2x24Gi", name="pool")  # the operator's token: a shared pool
         tokens = {}
-        for tenant in ("flood", "sdk", "calm", "quota", "gpurate", "slow", "piped"):
+        for tenant in ("flood", "sdk", "calm", "quota", "gpurate", "slow", "piped", "door"):
             resp = c.api("POST", "/v1/tokens", json={"role": "submit", "tenant": tenant})
             tokens[tenant] = resp.json()["token"]
         yield c, tokens
@@ -215,3 +220,101 @@ def test_limits_are_validated_at_startup_naming_the_file_and_the_key(tmp_path: P
         and "limits.acme.submit_per_sec" in out.stderr
         and "Traceback" not in out.stderr
     )
+
+
+def raw_http(port: int, request: bytes, body: bytes = b"") -> tuple[socket.socket, bytes]:
+    """Send a request's head (and what there is of its body) on a fresh connection; the answer's first bytes."""
+    conn = socket.create_connection(("127.0.0.1", port), timeout=10)
+    conn.sendall(request + body)
+    return conn, conn.recv(65536)
+
+
+def test_a_submission_over_the_rate_is_refused_before_its_body_is_read(
+    limited: tuple[Cluster, dict[str, str]],
+) -> None:
+    """Given a tenant over submit_per_s, when it sends a submission's head promising a body it never
+    sends, then the 429 comes at once (the route would wait for the body), as the route would answer it,
+    and the connection carries the next request once the promised bytes have come."""
+    c, tokens = limited
+    assert post(c, tokens["door"], {"capability": "count"}).status_code == 201  # the one token of 5 s
+    head = (f"POST /v1/tasks HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {tokens['door']}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n").encode()  # fmt: skip
+    conn, answer = raw_http(c.port, head)
+    try:
+        status, _, rest = answer.partition(b"\r\n")
+        assert status.startswith(b"HTTP/1.1 429"), answer[:300]
+        headers, _, body = rest.partition(b"\r\n\r\n")
+        assert b"retry-after: 5" in headers.lower() or b"retry-after: 4" in headers.lower()
+        error = json.loads(body)["error"]
+        assert error["type"] == "rate_limited" and "'door' is over its submit_per_s" in error["message"]
+        assert 0 < error["retry_after_s"] <= 5
+        conn.sendall(b"x" * 100000 + b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert conn.recv(65536).startswith(b"HTTP/1.1 200")  # the unread body was discarded, not parsed
+    finally:
+        conn.close()
+    # the door decides nothing it is unsure of: a role that may not submit is still told so (403)
+    reader = c.api("POST", "/v1/tokens", json={"role": "read", "tenant": "door"}).json()["token"]
+    auth = {"Authorization": f"Bearer {reader}"}
+    assert httpx.get(f"{c.url}/v1/tasks", headers=auth, timeout=30).status_code == 200  # its token is known
+    refused = httpx.post(f"{c.url}/v1/tasks", headers=auth, json={"capability": "count"}, timeout=30)
+    assert refused.status_code == 403
+    assert post(c, "tk_not-a-token", {"capability": "count"}).status_code == 401
+
+
+RESERVING = """
+limits:
+  "*": {submit_per_s: 1000, reserved_share: 0.25}
+"""
+
+
+@pytest.fixture(scope="module")
+def reserving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, dict[str, str]]]:
+    """A controller keeping a quarter of each shared worker for a tenant with work, and one shared worker of
+    four `count` slots (0.4 CPU, 0.1 each)."""
+    tmp = tmp_path_factory.mktemp("reserving")
+    (tmp / "turnout.yaml").write_text(RESERVING)
+    procs = Processes()
+    try:
+        c = Cluster(
+            tmp, procs, f"sqlite:///{tmp / 'turnout.db'}", extra_args=["--config", str(tmp / "turnout.yaml")]
+        )
+        c.start_controller()
+        c.start_worker(APP, name="pool", extra=["--cpus", "0.4"])
+        tokens = {t: c.api("POST", "/v1/tokens", json={"role": "submit", "tenant": t}).json()["token"]
+                  for t in ("calm", "hog")}  # fmt: skip
+        yield c, tokens
+    finally:
+        procs.stop_all()
+
+
+def test_a_tenant_with_work_keeps_a_slot_of_a_shared_worker_that_another_tenants_backlog_may_not_take(
+    reserving: tuple[Cluster, dict[str, str]],
+) -> None:
+    """Given a calm tenant that has just submitted and a hog whose queue is deeper than the worker, when the
+    calm tenant submits its next task, then it runs at once on the slot kept for it, long before any of the
+    hog's tasks ends to free one; and the hog, alone with work again, uses every slot."""
+    c, tokens = reserving
+    first = post(c, tokens["calm"], {"capability": "count", "input": {"n": 1}}).json()["id"]
+    hog = httpx.post(f"{c.url}/v1/tasks/batch", headers={"Authorization": f"Bearer {tokens['hog']}"}, timeout=30,
+                     json={"tasks": [{"capability": "count", "input": {"sleep": 3}}] * 8}).json()["tasks"]  # fmt: skip
+    assert wait_done(c, tokens["calm"], first)["state"] == "succeeded"
+    second = post(c, tokens["calm"], {"capability": "count", "input": {"n": 2}}).json()["id"]
+    calm = wait_done(c, tokens["calm"], second)
+    hogs = [wait_done(c, tokens["hog"], t["id"]) for t in hog]
+    assert calm["state"] == "succeeded" and [t["state"] for t in hogs] == ["succeeded"] * 8
+    assert _ts(calm["finished_at"]) < min(_ts(t["finished_at"]) for t in hogs)
+    # at most three of the hog's ran together while calm had work; once calm's was over, all four
+    assert _peak([(_ts(t["started_at"]), _ts(t["finished_at"])) for t in hogs]) == 4
+
+
+def _ts(iso: str) -> float:
+    return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
+
+
+def _peak(spans: list[tuple[float, float]]) -> int:
+    moves = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
+    level = top = 0
+    for _, step in moves:
+        level += step
+        top = max(top, level)
+    return top

@@ -25,6 +25,7 @@ from turnout.access import (
 )
 from turnout.api import dashboard, errors, files, lifeline, pipelines
 from turnout.api import metrics as prometheus
+from turnout.api.gate import SubmitGate
 from turnout.api.limits import BodyLimit
 from turnout.api.pipelines import profile_view
 from turnout.api.schemas import (
@@ -79,6 +80,7 @@ def create_app(service: Service) -> FastAPI:
     ctrl = service.controller
     limits = ctrl.settings.request_limits
     app.add_middleware(BodyLimit, limits=limits)
+    app.add_middleware(SubmitGate, service=service)  # outermost: 429 over the rate, body unread
     metrics = prometheus.Metrics(ctrl)
 
     async def principal_of(authorization: str | None) -> Principal:
