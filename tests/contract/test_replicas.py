@@ -21,6 +21,7 @@ from turnout.models import Device, TaskSpec, TaskState, Variant, WorkerState
 from turnout.resources import parse_resources
 from turnout.store import SqlStore, open_store
 from turnout.store.replicas import DbClock, claim_sweep, refresh_statistics
+from turnout.store.runs import RunSample, RunStore
 
 NOOP = Variant("noop", Device.CPU, parse_resources({"cpu": 0.01}))
 
@@ -176,3 +177,74 @@ def test_a_queue_filled_faster_than_autovacuum_looks_is_leased_through_the_order
         assert "ix_tasks_queue_order" in plan and "Sort" not in plan, plan
     finally:
         store.close()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SqlStore]:
+    if request.param == "sqlite":
+        store = open_store(f"sqlite:///{tmp_path / 'profiles.db'}")
+        try:
+            yield store
+        finally:
+            store.close()
+        return
+    with fresh_database() as url:
+        store = open_store(url)
+        try:
+            yield store
+        finally:
+            store.close()
+
+
+def test_samples_folded_in_one_write_make_the_profile_that_one_write_each_makes(any_store: SqlStore) -> None:
+    # Given the same five finished tasks of one capability (one with a cold start, one with a GPU peak)
+    samples = [RunSample(1.0), RunSample(2.0, cold_start_s=5.0), RunSample(0.5),
+               RunSample(3.0, peak_gpu_memory_bytes=2**30), RunSample(1.5, cold_start_s=1.0, peak_rss_bytes=7)]  # fmt: skip
+    runs = RunStore(any_store)
+    # When they are folded into one profile at once, and into another one at a time
+    assert runs.record_profiles("cap", "gpu", "H100", samples, now=10.0)
+    for s in samples:
+        runs.record_profile("one", "gpu", "H100", run_s=s.run_s, cold_start_s=s.cold_start_s, now=10.0,
+                            peak_gpu_memory_bytes=s.peak_gpu_memory_bytes, peak_rss_bytes=s.peak_rss_bytes)  # fmt: skip
+    # Then both profiles are the same
+    together, alone = (next(p for p in runs.profiles() if p.capability == c) for c in ("cap", "one"))
+    assert together.samples == alone.samples == 5
+    assert together.run_s == pytest.approx(alone.run_s) and together.cold_start_s == pytest.approx(
+        alone.cold_start_s
+    )
+    assert (
+        (together.peak_gpu_memory_bytes, together.peak_rss_bytes)
+        == (alone.peak_gpu_memory_bytes, 7)
+        == (2**30, 7)
+    )
+
+
+@pytest.mark.postgres
+def test_a_profile_another_replica_is_writing_is_left_out_not_waited_for(pg_url: str) -> None:
+    stores = [open_store(pg_url), open_store(pg_url)]
+    try:
+        runs_a, runs_b = RunStore(stores[0]), RunStore(stores[1])
+        runs_a.record_profiles("noop", "cpu", None, [RunSample(1.0)], now=1.0)
+        outcome: list[bool] = []
+        # Given replica A folding samples into the noop profile in a transaction still open
+        with stores[0].group():
+            assert runs_a.record_profiles("noop", "cpu", None, [RunSample(1.0)] * 3, now=2.0)
+            # When replica B folds its own samples of the same profile meanwhile
+            other = threading.Thread(
+                target=lambda: outcome.append(
+                    runs_b.record_profiles("noop", "cpu", None, [RunSample(9.0)], now=2.0)
+                ),
+                daemon=True,
+            )
+            other.start()
+            other.join(timeout=30)
+            # Then B does not wait for A's commit: it leaves its samples out, while A's transaction is open
+            assert not other.is_alive() and outcome == [False]
+        (profile,) = runs_b.profiles()
+        assert profile.samples == 4 and profile.run_s == pytest.approx(1.0)
+        # And once A has committed, B's next samples go in
+        assert runs_b.record_profiles("noop", "cpu", None, [RunSample(9.0)], now=3.0)
+        assert runs_a.profiles()[0].samples == 5
+    finally:
+        for s in stores:
+            s.close()
