@@ -17,7 +17,7 @@ import pytest
 from tests.pg import fresh_database
 from turnout.config import ControllerSettings
 from turnout.controller import Controller
-from turnout.models import Device, TaskSpec, TaskState, Variant, WorkerState
+from turnout.models import Device, Task, TaskSpec, TaskState, Variant, WorkerState
 from turnout.resources import parse_resources
 from turnout.store import SqlStore, open_store
 from turnout.store.replicas import DbClock, claim_sweep, refresh_statistics
@@ -248,3 +248,48 @@ def test_a_profile_another_replica_is_writing_is_left_out_not_waited_for(pg_url:
     finally:
         for s in stores:
             s.close()
+
+
+def _queued(i: int) -> Task:
+    now = time.time() + i * 1e-3
+    spec = TaskSpec(capability="noop", input={"n": i})
+    return Task(
+        id=f"t_{i:06d}", tenant="default", spec=spec, state=TaskState.QUEUED, created_at=now, queued_at=now
+    )
+
+
+def test_many_conditional_updates_in_one_call_apply_exactly_where_their_conditions_hold(
+    any_store: SqlStore,
+) -> None:
+    # Given eight queued tasks, four of them already leased (attempt 1)
+    any_store.insert_tasks([_queued(i) for i in range(8)])
+    lease = {"state": TaskState.LEASED, "attempts": 1, "worker_id": "w", "routing": {"device": "cpu"}}
+    leased = any_store.update_tasks([(f"t_{i:06d}", (TaskState.QUEUED,), 0, lease) for i in (4, 5, 6, 7)])
+    assert leased == ["t_000004", "t_000005", "t_000006", "t_000007"]
+    # When one call, on eight distinct tasks, leases four (one already leased: its condition fails) and
+    # reports on four in two shapes: a success, a failure, a stale attempt's and a queued task's reports
+    # (both refused); `cost_usd` is NULL in every row
+    done = {"state": TaskState.SUCCEEDED, "output": {"ok": True}, "cost_usd": None, "finished_at": 5.0}
+    failed = {"state": TaskState.FAILED, "output": None, "cost_usd": None, "finished_at": 6.0}
+    changes = [
+        *[(f"t_{i:06d}", (TaskState.QUEUED,), 0, {**lease, "routing": {"n": i}}) for i in (0, 1, 2, 5)],
+        ("t_000004", (TaskState.LEASED, TaskState.RUNNING), 1, done),
+        ("t_000006", (TaskState.LEASED, TaskState.RUNNING), 1, failed),
+        ("t_000007", (TaskState.LEASED, TaskState.RUNNING), 0, done),
+        ("t_000003", (TaskState.LEASED, TaskState.RUNNING), 1, done),
+    ]
+    won = any_store.update_tasks(changes)
+    # Then exactly the changes whose condition held are applied, and their ids come back in call order
+    assert won == ["t_000000", "t_000001", "t_000002", "t_000004", "t_000006"]
+    tasks = {t.id: t for t in any_store.get_tasks([f"t_{i:06d}" for i in range(8)])}
+    states = [TaskState.LEASED] * 3 + [TaskState.QUEUED, TaskState.SUCCEEDED, TaskState.LEASED, TaskState.FAILED,
+                                       TaskState.LEASED]  # fmt: skip
+    assert [tasks[f"t_{i:06d}"].state for i in range(8)] == states
+    assert [tasks[f"t_{i:06d}"].routing for i in (0, 1, 2, 5)] == [
+        {"n": 0},
+        {"n": 1},
+        {"n": 2},
+        {"device": "cpu"},
+    ]
+    assert tasks["t_000004"].output == {"ok": True} and tasks["t_000004"].finished_at == 5.0
+    assert tasks["t_000006"].finished_at == 6.0 and tasks["t_000006"].cost_usd is None

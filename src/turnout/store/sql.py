@@ -429,7 +429,13 @@ class SqlStore:
         """Apply conditional updates in one transaction: (task id, allowed states, attempts or None, values).
 
         Returns the ids whose condition held. This is the only way task state changes.
+
+        On PostgreSQL, changes of one shape (same allowed states, same columns) to distinct tasks go as one
+        `UPDATE ... FROM (VALUES ...)`: a lease or a report of many tasks costs one round trip, not one
+        per task, and round trips are most of what a replica's database thread waits on.
         """
+        if self.dialect == "postgresql" and 1 < len({c[0] for c in changes}) == len(changes):
+            return self._update_tasks_together(changes)
         done: list[str] = []
         with self._write() as conn:
             for task_id, states, attempts, values in changes:
@@ -441,6 +447,30 @@ class SqlStore:
                 if conn.execute(query, params).rowcount:
                     done.append(task_id)
         return done
+
+    def _update_tasks_together(
+        self, changes: Sequence[tuple[str, Sequence[TaskState], int | None, dict[str, Any]]]
+    ) -> list[str]:
+        """`update_tasks` for distinct tasks, one statement per shape (PostgreSQL)."""
+        Shape = tuple[tuple[str, ...], bool, tuple[str, ...]]  # allowed states, attempts checked, columns
+        shapes: dict[Shape, list[tuple[str, int | None, dict[str, Any]]]] = {}
+        for task_id, allowed, attempts, values in changes:
+            shape = (tuple(s.value for s in allowed), attempts is not None, tuple(values))
+            shapes.setdefault(shape, []).append((task_id, attempts, _encode(values)))
+        won: set[str] = set()
+        with self._write() as conn:
+            for (states, with_attempts, keys), rows in shapes.items():
+                params: dict[str, Any] = {}
+                for i, (task_id, attempts, values) in enumerate(rows):
+                    params[f"_id_{i}"] = task_id
+                    if with_attempts:
+                        params[f"_attempts_{i}"] = attempts
+                    params.update({f"v_{k}_{i}": values[k] for k in keys})
+                won.update(
+                    r[0]
+                    for r in conn.execute(_task_update_many(states, with_attempts, keys, len(rows)), params)
+                )
+        return [c[0] for c in changes if c[0] in won]
 
     # ---- workers -----------------------------------------------------------------------------
 
@@ -653,6 +683,27 @@ def _task_update(states: tuple[str, ...], with_attempts: bool, keys: tuple[str, 
     if with_attempts:
         query = query.where(T.c.attempts == sa.bindparam("_attempts"))
     return query.values({k: sa.bindparam(f"v_{k}", type_=T.c[k].type) for k in keys})
+
+
+@functools.lru_cache(maxsize=256)
+def _task_update_many(
+    states: tuple[str, ...], with_attempts: bool, keys: tuple[str, ...], rows: int
+) -> sa.Update:
+    """`_task_update` for `rows` tasks at once: UPDATE tasks SET <keys> FROM (VALUES ...) AS v WHERE id = v._id
+    AND state IN <states> [AND attempts = v._attempts] RETURNING id. Every value is cast to its column's
+    type: a column that is NULL in every row would otherwise be text to PostgreSQL."""
+    cols = [sa.column("_id", T.c.id.type)]
+    if with_attempts:
+        cols.append(sa.column("_attempts", T.c.attempts.type))
+    cols += [sa.column(f"v_{k}", T.c[k].type) for k in keys]
+    data = [
+        tuple(sa.cast(sa.bindparam(f"{c.name}_{i}", type_=c.type), c.type) for c in cols) for i in range(rows)
+    ]
+    v = sa.values(*cols, name="v").data(data)
+    query = T.update().where(T.c.id == v.c._id, T.c.state.in_(states))
+    if with_attempts:
+        query = query.where(T.c.attempts == v.c._attempts)
+    return query.values({k: v.c[f"v_{k}"] for k in keys}).returning(T.c.id)
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
