@@ -43,7 +43,7 @@ PG_URL = os.environ.get("TURNOUT_BENCH_POSTGRES") or os.environ.get(
     "TURNOUT_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test"
 )
 BATCH = 500
-POLL_S = 0.2
+POLL_S = 0.5
 
 
 @contextlib.contextmanager

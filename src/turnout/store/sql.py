@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import sqlite3
 import threading
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
@@ -451,7 +453,8 @@ class SqlStore:
     def _update_tasks_together(
         self, changes: Sequence[tuple[str, Sequence[TaskState], int | None, dict[str, Any]]]
     ) -> list[str]:
-        """`update_tasks` for distinct tasks, one statement per shape (PostgreSQL)."""
+        """`update_tasks` for distinct tasks on PostgreSQL: one statement per shape, each column's values
+        sent as one array (`_task_update_many`)."""
         Shape = tuple[tuple[str, ...], bool, tuple[str, ...]]  # allowed states, attempts checked, columns
         shapes: dict[Shape, list[tuple[str, int | None, dict[str, Any]]]] = {}
         for task_id, allowed, attempts, values in changes:
@@ -460,15 +463,15 @@ class SqlStore:
         won: set[str] = set()
         with self._write() as conn:
             for (states, with_attempts, keys), rows in shapes.items():
-                params: dict[str, Any] = {}
-                for i, (task_id, attempts, values) in enumerate(rows):
-                    params[f"_id_{i}"] = task_id
-                    if with_attempts:
-                        params[f"_attempts_{i}"] = attempts
-                    params.update({f"v_{k}_{i}": values[k] for k in keys})
+                arrays: list[list[Any]] = [[r[0] for r in rows]]
+                if with_attempts:
+                    arrays.append([r[1] for r in rows])
+                for k in keys:
+                    as_json = k in _JSON_COLUMNS  # written as SQLAlchemy's JSON type writes it (None is NULL)
+                    arrays.append([_json_text(r[2][k]) if as_json else r[2][k] for r in rows])
+                sql = _task_update_many(states, with_attempts, keys)
                 won.update(
-                    r[0]
-                    for r in conn.execute(_task_update_many(states, with_attempts, keys, len(rows)), params)
+                    r[0] for r in conn.exec_driver_sql(sql, {f"p{i}": a for i, a in enumerate(arrays)})
                 )
         return [c[0] for c in changes if c[0] in won]
 
@@ -685,25 +688,29 @@ def _task_update(states: tuple[str, ...], with_attempts: bool, keys: tuple[str, 
     return query.values({k: sa.bindparam(f"v_{k}", type_=T.c[k].type) for k in keys})
 
 
+_JSON_COLUMNS = frozenset(c.name for c in T.c if isinstance(c.type, sa.JSON))
+
+
+def _json_text(value: Any) -> str | None:
+    return None if value is None else json.dumps(value)
+
+
 @functools.lru_cache(maxsize=256)
-def _task_update_many(
-    states: tuple[str, ...], with_attempts: bool, keys: tuple[str, ...], rows: int
-) -> sa.Update:
-    """`_task_update` for `rows` tasks at once: UPDATE tasks SET <keys> FROM (VALUES ...) AS v WHERE id = v._id
-    AND state IN <states> [AND attempts = v._attempts] RETURNING id. Every value is cast to its column's
-    type: a column that is NULL in every row would otherwise be text to PostgreSQL."""
-    cols = [sa.column("_id", T.c.id.type)]
-    if with_attempts:
-        cols.append(sa.column("_attempts", T.c.attempts.type))
-    cols += [sa.column(f"v_{k}", T.c[k].type) for k in keys]
-    data = [
-        tuple(sa.cast(sa.bindparam(f"{c.name}_{i}", type_=c.type), c.type) for c in cols) for i in range(rows)
-    ]
-    v = sa.values(*cols, name="v").data(data)
-    query = T.update().where(T.c.id == v.c._id, T.c.state.in_(states))
-    if with_attempts:
-        query = query.where(T.c.attempts == v.c._attempts)
-    return query.values({k: v.c[f"v_{k}"] for k in keys}).returning(T.c.id)
+def _task_update_many(states: tuple[str, ...], with_attempts: bool, keys: tuple[str, ...]) -> str:
+    """PostgreSQL's `_task_update` for any number of tasks: UPDATE tasks SET <keys> FROM unnest(<an array
+    per column>) AS v WHERE id = v._id AND state IN <states> [AND attempts = v._attempts] RETURNING id.
+    One text per shape whatever the number of tasks, so psycopg prepares it once and reuses it."""
+    dialect = postgresql.dialect()
+    columns = [T.c.id, *([T.c.attempts] if with_attempts else []), *(T.c[k] for k in keys)]
+    names = ["_id", *(["_attempts"] if with_attempts else []), *(f'"{k}"' for k in keys)]
+    arrays = ", ".join(
+        f"CAST(%(p{i})s AS {c.type.compile(dialect=dialect)}[])" for i, c in enumerate(columns)
+    )
+    allowed = ", ".join(f"'{TaskState(s).value}'" for s in states)  # the states' own names, never input
+    sets = ", ".join(f'"{k}" = v."{k}"' for k in keys)
+    sql = (f"UPDATE tasks SET {sets} FROM unnest({arrays}) AS v({', '.join(names)}) "
+           f"WHERE tasks.id = v._id AND tasks.state IN ({allowed})")  # fmt: skip
+    return sql + (" AND tasks.attempts = v._attempts" if with_attempts else "") + " RETURNING tasks.id"
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
