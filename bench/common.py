@@ -2,7 +2,9 @@
 loopback, percentiles.
 
 The cluster mirrors `tests/conftest.py` (a controller and `turnout worker` subprocesses on a fresh SQLite
-file, the admin token read from `$TURNOUT_HOME/admin.token`), but benches cannot import from `tests/`.
+file, or on a database URL, the admin token read from `$TURNOUT_HOME/admin.token`), but benches cannot
+import from `tests/`. Controller replicas on one PostgreSQL database are clusters that share `db` and
+`home` (so they share one admin token), each with its own port.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class Processes:
 
 @dataclass
 class TurnoutCluster:
-    """A controller on a fresh SQLite file in `tmp`, and `turnout worker` processes added to it."""
+    """A controller on a fresh SQLite file in `tmp` (or on `db`), and `turnout worker` processes added to it."""
 
     tmp: Path
     procs: Processes
@@ -84,10 +86,16 @@ class TurnoutCluster:
     controller: subprocess.Popen[bytes] | None = None
     workers: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     controller_args: list[str] = field(default_factory=list)  # e.g. ["--config", "turnout.yaml"]
+    db: str = ""  # a database URL; "" is a fresh SQLite file in `tmp`
+    home: Path | None = None  # $TURNOUT_HOME; None is `tmp/home`
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def home_dir(self) -> Path:
+        return self.home or self.tmp / "home"
 
     @property
     def headers(self) -> dict[str, str]:
@@ -96,15 +104,15 @@ class TurnoutCluster:
     @property
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TURNOUT_")}
-        env.update(TURNOUT_HOME=str(self.tmp / "home"), TURNOUT_URL=self.url, PYTHONUNBUFFERED="1")
+        env.update(TURNOUT_HOME=str(self.home_dir), TURNOUT_URL=self.url, PYTHONUNBUFFERED="1")
         if self.token:
             env["TURNOUT_TOKEN"] = self.token
         return env
 
     def start_controller(self, timeout_s: float = 30) -> None:
-        argv = [sys.executable, "-m", "turnout.cli", "controller", "--db", f"sqlite:///{self.tmp / 'turnout.db'}",
-                "--port", str(self.port), "--home", str(self.tmp / "home"), "--heartbeat-s", str(self.heartbeat_s),
-                *self.controller_args]  # fmt: skip
+        db = self.db or f"sqlite:///{self.tmp / 'turnout.db'}"
+        argv = [sys.executable, "-m", "turnout.cli", "controller", "--db", db, "--port", str(self.port),
+                "--home", str(self.home_dir), "--heartbeat-s", str(self.heartbeat_s), *self.controller_args]  # fmt: skip
         self.controller = self.procs.start(argv, self.env, self.tmp / "controller.log")
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -116,7 +124,7 @@ class TurnoutCluster:
             time.sleep(0.05)
         else:
             raise RuntimeError(f"controller did not come up: {self.log_tail('controller')}")
-        self.token = (self.tmp / "home" / "admin.token").read_text().strip()
+        self.token = (self.home_dir / "admin.token").read_text().strip()
 
     def start_worker(
         self, app: str, name: str, timeout_s: float = 30, extra: list[str] | None = None

@@ -43,6 +43,7 @@ from turnout.models import (
 from turnout.routing import ClusterView, Route, WorkerOffer, route, servable
 from turnout.store import Store
 from turnout.store.replicas import hold_worker
+from turnout.store.runs import RunSample
 from turnout.tenancy import (
     RecentTenants,
     Reservations,
@@ -789,7 +790,9 @@ class Controller:
         return accepted, [c.task_id for c in completions if c.task_id not in done]
 
     def _learn(self, ended: Sequence[Task], by_id: Mapping[str, Completion], now: float) -> None:
-        """Fold each success into its (capability, device class, GPU model) profile, for `gpu: auto`."""
+        """Fold each success into its (capability, device class, GPU model) profile, for `gpu: auto`: one
+        write per profile per call, however many tasks it brings (store/runs.py, `record_profiles`)."""
+        samples: dict[tuple[str, str, str | None], list[RunSample]] = {}
         for t in ended:
             c = by_id[t.id]
             if not c.succeeded or c.run_s is None or t.device is None or t.worker_id is None:
@@ -797,11 +800,13 @@ class Controller:
             if t.worker_id.startswith("cloud:"):
                 continue  # a cloud endpoint's time says nothing about local devices
             usage = c.usage or {}
-            self.runs.store.record_profile(
-                t.spec.capability, t.device.value, t.gpu_model, run_s=c.run_s, cold_start_s=c.cold_start_s,
-                peak_gpu_memory_bytes=usage.get("peak_gpu_memory_bytes"), peak_rss_bytes=usage.get("peak_rss_bytes"),
-                now=now,
-            )  # fmt: skip
+            samples.setdefault((t.spec.capability, t.device.value, t.gpu_model), []).append(
+                RunSample(
+                    c.run_s, c.cold_start_s, usage.get("peak_gpu_memory_bytes"), usage.get("peak_rss_bytes")
+                )
+            )
+        for (capability, device, gpu_model), folded in samples.items():
+            self.runs.store.record_profiles(capability, device, gpu_model, folded, now)
 
     def _cost(self, task: Task, run_s: float | None) -> float | None:
         if run_s is None or task.device is None:

@@ -42,3 +42,12 @@ def noop(ctx: Context, data: Any) -> None:
 def where(ctx: Context, data: dict[str, Any]) -> dict[str, Any]:
     """Where the input file is read from, and where the output directory lives."""
     return {"path": str(ctx.path(data["file"])), "output_dir_in": str(ctx.output_dir.parent)}
+
+
+@app.capability("outdir", cpu=0.1)
+def outdir(ctx: Context, data: Any) -> dict[str, Any]:
+    """Its output directory, whether it was empty, and (given `leave`) a file left in it."""
+    empty = not any(ctx.output_dir.iterdir())
+    if isinstance(data, dict) and data.get("leave"):
+        (ctx.output_dir / "left.txt").write_text(ctx.task_id)
+    return {"output_dir": str(ctx.output_dir), "was_empty": empty}

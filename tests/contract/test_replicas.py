@@ -17,10 +17,11 @@ import pytest
 from tests.pg import fresh_database
 from turnout.config import ControllerSettings
 from turnout.controller import Controller
-from turnout.models import Device, TaskSpec, TaskState, Variant, WorkerState
+from turnout.models import Device, Task, TaskSpec, TaskState, Variant, WorkerState
 from turnout.resources import parse_resources
 from turnout.store import SqlStore, open_store
 from turnout.store.replicas import DbClock, claim_sweep, refresh_statistics
+from turnout.store.runs import RunSample, RunStore
 
 NOOP = Variant("noop", Device.CPU, parse_resources({"cpu": 0.01}))
 
@@ -176,3 +177,119 @@ def test_a_queue_filled_faster_than_autovacuum_looks_is_leased_through_the_order
         assert "ix_tasks_queue_order" in plan and "Sort" not in plan, plan
     finally:
         store.close()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SqlStore]:
+    if request.param == "sqlite":
+        store = open_store(f"sqlite:///{tmp_path / 'profiles.db'}")
+        try:
+            yield store
+        finally:
+            store.close()
+        return
+    with fresh_database() as url:
+        store = open_store(url)
+        try:
+            yield store
+        finally:
+            store.close()
+
+
+def test_samples_folded_in_one_write_make_the_profile_that_one_write_each_makes(any_store: SqlStore) -> None:
+    # Given the same five finished tasks of one capability (one with a cold start, one with a GPU peak)
+    samples = [RunSample(1.0), RunSample(2.0, cold_start_s=5.0), RunSample(0.5),
+               RunSample(3.0, peak_gpu_memory_bytes=2**30), RunSample(1.5, cold_start_s=1.0, peak_rss_bytes=7)]  # fmt: skip
+    runs = RunStore(any_store)
+    # When they are folded into one profile at once, and into another one at a time
+    assert runs.record_profiles("cap", "gpu", "H100", samples, now=10.0)
+    for s in samples:
+        runs.record_profile("one", "gpu", "H100", run_s=s.run_s, cold_start_s=s.cold_start_s, now=10.0,
+                            peak_gpu_memory_bytes=s.peak_gpu_memory_bytes, peak_rss_bytes=s.peak_rss_bytes)  # fmt: skip
+    # Then both profiles are the same
+    together, alone = (next(p for p in runs.profiles() if p.capability == c) for c in ("cap", "one"))
+    assert together.samples == alone.samples == 5
+    assert together.run_s == pytest.approx(alone.run_s) and together.cold_start_s == pytest.approx(
+        alone.cold_start_s
+    )
+    assert (
+        (together.peak_gpu_memory_bytes, together.peak_rss_bytes)
+        == (alone.peak_gpu_memory_bytes, 7)
+        == (2**30, 7)
+    )
+
+
+@pytest.mark.postgres
+def test_a_profile_another_replica_is_writing_is_left_out_not_waited_for(pg_url: str) -> None:
+    stores = [open_store(pg_url), open_store(pg_url)]
+    try:
+        runs_a, runs_b = RunStore(stores[0]), RunStore(stores[1])
+        runs_a.record_profiles("noop", "cpu", None, [RunSample(1.0)], now=1.0)
+        outcome: list[bool] = []
+        # Given replica A folding samples into the noop profile in a transaction still open
+        with stores[0].group():
+            assert runs_a.record_profiles("noop", "cpu", None, [RunSample(1.0)] * 3, now=2.0)
+            # When replica B folds its own samples of the same profile meanwhile
+            other = threading.Thread(
+                target=lambda: outcome.append(
+                    runs_b.record_profiles("noop", "cpu", None, [RunSample(9.0)], now=2.0)
+                ),
+                daemon=True,
+            )
+            other.start()
+            other.join(timeout=30)
+            # Then B does not wait for A's commit: it leaves its samples out, while A's transaction is open
+            assert not other.is_alive() and outcome == [False]
+        (profile,) = runs_b.profiles()
+        assert profile.samples == 4 and profile.run_s == pytest.approx(1.0)
+        # And once A has committed, B's next samples go in
+        assert runs_b.record_profiles("noop", "cpu", None, [RunSample(9.0)], now=3.0)
+        assert runs_a.profiles()[0].samples == 5
+    finally:
+        for s in stores:
+            s.close()
+
+
+def _queued(i: int) -> Task:
+    now = time.time() + i * 1e-3
+    spec = TaskSpec(capability="noop", input={"n": i})
+    return Task(
+        id=f"t_{i:06d}", tenant="default", spec=spec, state=TaskState.QUEUED, created_at=now, queued_at=now
+    )
+
+
+def test_many_conditional_updates_in_one_call_apply_exactly_where_their_conditions_hold(
+    any_store: SqlStore,
+) -> None:
+    # Given eight queued tasks, four of them already leased (attempt 1)
+    any_store.insert_tasks([_queued(i) for i in range(8)])
+    lease = {"state": TaskState.LEASED, "attempts": 1, "worker_id": "w", "routing": {"device": "cpu"}}
+    leased = any_store.update_tasks([(f"t_{i:06d}", (TaskState.QUEUED,), 0, lease) for i in (4, 5, 6, 7)])
+    assert leased == ["t_000004", "t_000005", "t_000006", "t_000007"]
+    # When one call, on eight distinct tasks, leases four (one already leased: its condition fails) and
+    # reports on four in two shapes: a success, a failure, a stale attempt's and a queued task's reports
+    # (both refused); `cost_usd` is NULL in every row
+    done = {"state": TaskState.SUCCEEDED, "output": {"ok": True}, "cost_usd": None, "finished_at": 5.0}
+    failed = {"state": TaskState.FAILED, "output": None, "cost_usd": None, "finished_at": 6.0}
+    changes = [
+        *[(f"t_{i:06d}", (TaskState.QUEUED,), 0, {**lease, "routing": {"n": i}}) for i in (0, 1, 2, 5)],
+        ("t_000004", (TaskState.LEASED, TaskState.RUNNING), 1, done),
+        ("t_000006", (TaskState.LEASED, TaskState.RUNNING), 1, failed),
+        ("t_000007", (TaskState.LEASED, TaskState.RUNNING), 0, done),
+        ("t_000003", (TaskState.LEASED, TaskState.RUNNING), 1, done),
+    ]
+    won = any_store.update_tasks(changes)
+    # Then exactly the changes whose condition held are applied, and their ids come back in call order
+    assert won == ["t_000000", "t_000001", "t_000002", "t_000004", "t_000006"]
+    tasks = {t.id: t for t in any_store.get_tasks([f"t_{i:06d}" for i in range(8)])}
+    states = [TaskState.LEASED] * 3 + [TaskState.QUEUED, TaskState.SUCCEEDED, TaskState.LEASED, TaskState.FAILED,
+                                       TaskState.LEASED]  # fmt: skip
+    assert [tasks[f"t_{i:06d}"].state for i in range(8)] == states
+    assert [tasks[f"t_{i:06d}"].routing for i in (0, 1, 2, 5)] == [
+        {"n": 0},
+        {"n": 1},
+        {"n": 2},
+        {"device": "cpu"},
+    ]
+    assert tasks["t_000004"].output == {"ok": True} and tasks["t_000004"].finished_at == 5.0
+    assert tasks["t_000006"].finished_at == 6.0 and tasks["t_000006"].cost_usd is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -231,6 +232,33 @@ def test_with_a_shared_storage_files_move_through_it_not_over_http(
         "path": str(shared / "objects" / file_id),
         "output_dir_in": str(shared / "tmp"),
     }
+
+
+def test_each_task_gets_an_output_directory_no_task_had_and_a_stopped_worker_leaves_none(
+    tmp_path: Path, processes: Processes
+) -> None:
+    # Given a worker on a shared storage, whose tasks report their output directory
+    shared = tmp_path / "shared"
+    cluster = Cluster(tmp_path, processes, f"sqlite:///{tmp_path / 'turnout.db'}",
+                      extra_args=["--storage", str(shared)])  # fmt: skip
+    cluster.start_controller()
+    worker = cluster.start_worker(APP, "--storage", str(shared), name="dirs")
+    # When eight tasks run one after another, every other one leaving a file behind
+    seen = []
+    for i in range(8):
+        task = cluster.result(cluster.submit("outdir", {"leave": i % 2 == 0})["id"])
+        assert task["state"] == "succeeded", task["error"]
+        seen.append(task["output"])
+    # Then each had an empty directory of its own, in the storage's tmp/, that no other task was given
+    assert all(out["was_empty"] for out in seen)
+    dirs = [Path(out["output_dir"]) for out in seen]
+    assert len(set(dirs)) == 8 and all(d.parent == shared / "tmp" for d in dirs)
+    # and what the left files became are the tasks' outputs, not the next task's
+    assert all(("files" in out) == (i % 2 == 0) for i, out in enumerate(seen))
+    # When the worker stops, Then neither its tasks' directories nor those it made ahead are left
+    os.killpg(worker.pid, signal.SIGTERM)
+    worker.wait(timeout=30)
+    assert list((shared / "tmp").iterdir()) == []
 
 
 def test_files_expire_after_the_retention_the_config_sets(tmp_path: Path, processes: Processes) -> None:

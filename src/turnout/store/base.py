@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from turnout.pipelines import PipelineRun
     from turnout.profiles import Profile
     from turnout.store.files import FileRecord
+    from turnout.store.runs import RunSample
 
 # (task id, the states it may be in, the attempt it must be at or None for any, the column values to set)
 TaskChange = tuple[str, Sequence[TaskState], "int | None", dict[str, Any]]
@@ -220,6 +221,12 @@ class RunRecords(Protocol):
         peak_rss_bytes: int | None,
         now: float,
     ) -> None: ...
+
+    def record_profiles(
+        self, capability: str, device: str, gpu_model: str | None, samples: Sequence[RunSample], now: float
+    ) -> bool:
+        """Fold finished tasks, oldest first, into one profile; whether they were (a replica may skip)."""
+        ...
 
     def profiles(self) -> list[Profile]: ...
 

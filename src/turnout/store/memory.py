@@ -36,7 +36,7 @@ from turnout.profiles import Profile
 from turnout.store import schema
 from turnout.store.base import TaskChange
 from turnout.store.files import FileRecord
-from turnout.store.runs import EWMA, _max, _run, _run_row
+from turnout.store.runs import RunSample, _fold, _run, _run_row
 from turnout.store.sql import _dedupe, _encode, _task, _worker, _worker_row
 
 _MISSING = object()
@@ -671,23 +671,27 @@ class MemoryRuns:
         now: float,
     ) -> None:
         """Fold one finished task into its (capability, device, GPU model) profile, as `RunStore` does."""
+        sample = RunSample(run_s, cold_start_s, peak_gpu_memory_bytes, peak_rss_bytes)
+        self.record_profiles(capability, device, gpu_model, [sample], now)
+
+    def record_profiles(
+        self, capability: str, device: str, gpu_model: str | None, samples: Sequence[RunSample], now: float
+    ) -> bool:
+        """Fold finished tasks, oldest first, into their profile with `RunStore`'s arithmetic (`_fold`)."""
+        if not samples:
+            return True
         s = self.store
         key = (capability, device, gpu_model or "")
         with s._transaction():
             row = s._profiles.get(key)
+            folded = _fold(None if row is None else SimpleNamespace(**row), samples)
             if row is None:
-                values = {"capability": capability, "device": device, "gpu_model": gpu_model or "", "samples": 1,
-                          "run_s": run_s, "cold_start_s": cold_start_s, "peak_gpu_memory_bytes": peak_gpu_memory_bytes,
-                          "peak_rss_bytes": peak_rss_bytes, "updated_at": now}  # fmt: skip
+                values = {"capability": capability, "device": device, "gpu_model": gpu_model or "", **folded,
+                          "updated_at": now}  # fmt: skip
                 s._put(s._profiles, key, PROFILES.encode(values, whole=True))
-                return
-            cold = row["cold_start_s"]
-            if cold_start_s is not None:
-                cold = cold_start_s if cold is None else (1 - EWMA) * cold + EWMA * cold_start_s
-            s._set(s._profiles, PROFILES, key, {
-                "samples": row["samples"] + 1, "run_s": (1 - EWMA) * row["run_s"] + EWMA * run_s, "cold_start_s": cold,
-                "peak_gpu_memory_bytes": _max(row["peak_gpu_memory_bytes"], peak_gpu_memory_bytes),
-                "peak_rss_bytes": _max(row["peak_rss_bytes"], peak_rss_bytes), "updated_at": now})  # fmt: skip
+            else:
+                s._set(s._profiles, PROFILES, key, {**folded, "updated_at": now})
+        return True
 
     def profiles(self) -> list[Profile]:
         with self.store._lock:

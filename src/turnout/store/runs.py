@@ -7,9 +7,12 @@ caller's `group()` transaction when there is one, so a stage's result and the ne
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from turnout.models import GpuMode
 from turnout.pipelines import PipelineRun, RunState, Stage
@@ -96,27 +99,70 @@ class RunStore:
                        cold_start_s: float | None, peak_gpu_memory_bytes: int | None, peak_rss_bytes: int | None,
                        now: float) -> None:  # fmt: skip
         """Fold one finished task into its (capability, device, GPU model) profile."""
+        sample = RunSample(run_s, cold_start_s, peak_gpu_memory_bytes, peak_rss_bytes)
+        self.record_profiles(capability, device, gpu_model, [sample], now)
+
+    def record_profiles(
+        self, capability: str, device: str, gpu_model: str | None, samples: Sequence[RunSample], now: float
+    ) -> bool:
+        """Fold finished tasks, oldest first, into their (capability, device, GPU model) profile: one read and
+        one write however many there are. Returns whether they were folded in.
+
+        On PostgreSQL the profile's row is read `FOR UPDATE SKIP LOCKED`. Every completion of a capability
+        writes the same row, so replicas waiting for each other's row lock would take turns at every
+        completion; instead, samples that meet another replica's open transaction on that row are left
+        out. A profile is an estimate, and the other replica is folding in samples of the same work.
+        """
+        if not samples:
+            return True
         key = (P.c.capability == capability, P.c.device == device, P.c.gpu_model == (gpu_model or ""))
+        postgres = self.store.dialect == "postgresql"
+        read = sa.select(P).where(*key)
         with self.store._write() as conn:
-            row = conn.execute(sa.select(P).where(*key)).first()
-            if row is None:
-                conn.execute(P.insert().values(capability=capability, device=device, gpu_model=gpu_model or "",
-                                               samples=1, run_s=run_s, cold_start_s=cold_start_s,
-                                               peak_gpu_memory_bytes=peak_gpu_memory_bytes,
-                                               peak_rss_bytes=peak_rss_bytes, updated_at=now))  # fmt: skip
-                return
-            cold = row.cold_start_s
-            if cold_start_s is not None:
-                cold = cold_start_s if cold is None else (1 - EWMA) * cold + EWMA * cold_start_s
-            conn.execute(P.update().where(*key).values(
-                samples=row.samples + 1, run_s=(1 - EWMA) * row.run_s + EWMA * run_s, cold_start_s=cold,
-                peak_gpu_memory_bytes=_max(row.peak_gpu_memory_bytes, peak_gpu_memory_bytes),
-                peak_rss_bytes=_max(row.peak_rss_bytes, peak_rss_bytes), updated_at=now))  # fmt: skip
+            row = conn.execute(read.with_for_update(skip_locked=True) if postgres else read).first()
+            if row is None and postgres and conn.execute(sa.select(P.c.samples).where(*key)).first():
+                return False  # another replica holds the row now
+            folded = _fold(row, samples)
+            if row is not None:
+                conn.execute(P.update().where(*key).values(**folded, updated_at=now))
+                return True
+            insert = (pg_insert if postgres else sqlite_insert)(P).values(
+                capability=capability, device=device, gpu_model=gpu_model or "", **folded, updated_at=now
+            )
+            # two replicas making the first sample's row at once: the second's samples are left out
+            conn.execute(insert.on_conflict_do_nothing(index_elements=["capability", "device", "gpu_model"]))
+            return True
 
     def profiles(self) -> list[Profile]:
         with self.store._read() as conn:
             return [Profile(r.capability, r.device, r.gpu_model or None, r.samples, r.run_s, r.cold_start_s,
                             r.peak_gpu_memory_bytes, r.peak_rss_bytes) for r in conn.execute(sa.select(P))]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RunSample:
+    """What one finished task tells its profile."""
+
+    run_s: float
+    cold_start_s: float | None = None
+    peak_gpu_memory_bytes: int | None = None
+    peak_rss_bytes: int | None = None
+
+
+def _fold(row: Any, samples: Sequence[RunSample]) -> dict[str, Any]:
+    """A profile's columns with `samples` folded in, oldest first, into `row` (None: no profile yet)."""
+    n = row.samples if row is not None else 0
+    run_s = row.run_s if row is not None else 0.0
+    cold = row.cold_start_s if row is not None else None
+    gpu = row.peak_gpu_memory_bytes if row is not None else None
+    rss = row.peak_rss_bytes if row is not None else None
+    for s in samples:
+        run_s = s.run_s if n == 0 else (1 - EWMA) * run_s + EWMA * s.run_s
+        if s.cold_start_s is not None:
+            cold = s.cold_start_s if cold is None else (1 - EWMA) * cold + EWMA * s.cold_start_s
+        gpu, rss, n = _max(gpu, s.peak_gpu_memory_bytes), _max(rss, s.peak_rss_bytes), n + 1
+    return {"samples": n, "run_s": run_s, "cold_start_s": cold, "peak_gpu_memory_bytes": gpu,
+            "peak_rss_bytes": rss}  # fmt: skip
 
 
 def _max(a: int | None, b: int | None) -> int | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import sqlite3
 import threading
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
@@ -447,7 +449,13 @@ class SqlStore:
         """Apply conditional updates in one transaction: (task id, allowed states, attempts or None, values).
 
         Returns the ids whose condition held. This is the only way task state changes.
+
+        On PostgreSQL, changes of one shape (same allowed states, same columns) to distinct tasks go as one
+        `UPDATE ... FROM (VALUES ...)`: a lease or a report of many tasks costs one round trip, not one
+        per task, and round trips are most of what a replica's database thread waits on.
         """
+        if self.dialect == "postgresql" and 1 < len({c[0] for c in changes}) == len(changes):
+            return self._update_tasks_together(changes)
         done: list[str] = []
         with self._write() as conn:
             for task_id, states, attempts, values in changes:
@@ -459,6 +467,31 @@ class SqlStore:
                 if conn.execute(query, params).rowcount:
                     done.append(task_id)
         return done
+
+    def _update_tasks_together(
+        self, changes: Sequence[tuple[str, Sequence[TaskState], int | None, dict[str, Any]]]
+    ) -> list[str]:
+        """`update_tasks` for distinct tasks on PostgreSQL: one statement per shape, each column's values
+        sent as one array (`_task_update_many`)."""
+        Shape = tuple[tuple[str, ...], bool, tuple[str, ...]]  # allowed states, attempts checked, columns
+        shapes: dict[Shape, list[tuple[str, int | None, dict[str, Any]]]] = {}
+        for task_id, allowed, attempts, values in changes:
+            shape = (tuple(s.value for s in allowed), attempts is not None, tuple(values))
+            shapes.setdefault(shape, []).append((task_id, attempts, _encode(values)))
+        won: set[str] = set()
+        with self._write() as conn:
+            for (states, with_attempts, keys), rows in shapes.items():
+                arrays: list[list[Any]] = [[r[0] for r in rows]]
+                if with_attempts:
+                    arrays.append([r[1] for r in rows])
+                for k in keys:
+                    as_json = k in _JSON_COLUMNS  # written as SQLAlchemy's JSON type writes it (None is NULL)
+                    arrays.append([_json_text(r[2][k]) if as_json else r[2][k] for r in rows])
+                sql = _task_update_many(states, with_attempts, keys)
+                won.update(
+                    r[0] for r in conn.exec_driver_sql(sql, {f"p{i}": a for i, a in enumerate(arrays)})
+                )
+        return [c[0] for c in changes if c[0] in won]
 
     # ---- workers -----------------------------------------------------------------------------
 
@@ -671,6 +704,31 @@ def _task_update(states: tuple[str, ...], with_attempts: bool, keys: tuple[str, 
     if with_attempts:
         query = query.where(T.c.attempts == sa.bindparam("_attempts"))
     return query.values({k: sa.bindparam(f"v_{k}", type_=T.c[k].type) for k in keys})
+
+
+_JSON_COLUMNS = frozenset(c.name for c in T.c if isinstance(c.type, sa.JSON))
+
+
+def _json_text(value: Any) -> str | None:
+    return None if value is None else json.dumps(value)
+
+
+@functools.lru_cache(maxsize=256)
+def _task_update_many(states: tuple[str, ...], with_attempts: bool, keys: tuple[str, ...]) -> str:
+    """PostgreSQL's `_task_update` for any number of tasks: UPDATE tasks SET <keys> FROM unnest(<an array
+    per column>) AS v WHERE id = v._id AND state IN <states> [AND attempts = v._attempts] RETURNING id.
+    One text per shape whatever the number of tasks, so psycopg prepares it once and reuses it."""
+    dialect = postgresql.dialect()
+    columns = [T.c.id, *([T.c.attempts] if with_attempts else []), *(T.c[k] for k in keys)]
+    names = ["_id", *(["_attempts"] if with_attempts else []), *(f'"{k}"' for k in keys)]
+    arrays = ", ".join(
+        f"CAST(%(p{i})s AS {c.type.compile(dialect=dialect)}[])" for i, c in enumerate(columns)
+    )
+    allowed = ", ".join(f"'{TaskState(s).value}'" for s in states)  # the states' own names, never input
+    sets = ", ".join(f'"{k}" = v."{k}"' for k in keys)
+    sql = (f"UPDATE tasks SET {sets} FROM unnest({arrays}) AS v({', '.join(names)}) "
+           f"WHERE tasks.id = v._id AND tasks.state IN ({allowed})")  # fmt: skip
+    return sql + (" AND tasks.attempts = v._attempts" if with_attempts else "") + " RETURNING tasks.id"
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
