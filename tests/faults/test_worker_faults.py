@@ -36,14 +36,16 @@ def test_sigkill_of_a_worker_tree_holding_gpu_leases(
     while {t for w, t, _ in read_runs(log) if w == "start"} != ids and time.monotonic() < deadline:
         time.sleep(0.05)
     assert {t for w, t, _ in read_runs(log) if w == "start"} == ids, "the victim never started all four"
-    cluster.start_worker(APP, name="rescuer", gpus="fake:1xA100-40Gi", extra=["--cpus", "4"])
 
-    # When its agent, handler processes and their children are SIGKILLed together
+    # When its agent, handler processes and their children are SIGKILLed together, mid-run
     tree = [psutil.Process(victim.pid), *psutil.Process(victim.pid).children(recursive=True)]
     killed_at = time.time()
     for p in tree:
         with contextlib.suppress(ProcessLookupError):  # a short-lived helper may have exited meanwhile
             os.kill(p.pid, signal.SIGKILL)
+    # the rescuer starts after the kill: on a loaded machine its start can outlast the tasks' 3 s, and the
+    # victim would have finished them before it was killed (recover_s includes the rescuer's start)
+    cluster.start_worker(APP, name="rescuer", gpus="fake:1xA100-40Gi", extra=["--cpus", "4"])
 
     # Then every task completes once on the rescuer, nothing of the victim lives on, and no GPU stays held
     done = [cluster.result(t["id"], wait=60) for t in tasks]
