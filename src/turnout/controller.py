@@ -634,6 +634,7 @@ class Controller:
         done = self.store.update_tasks(updates) if updates else []
         for t in tasks:
             if t.id in done:
+                self.queued_for(t.tenant)
                 log.warning("task %s: its lease never reached worker %s; taken back", t.id, t.worker_id)
         self._audit_releases([t for t in tasks if t.id in done], now)
         return done
@@ -694,13 +695,16 @@ class Controller:
     ) -> Exchange:
         """Commit a worker's results and, if it `ask`s, lease it work for the room they freed: in one call, so
         in one transaction (one fsync), and a pipeline's next stage, queued by its last stage's result, can go
-        straight back to the worker that ran it."""
-        if ask is not None:  # held before the results' rows are written: one lock order, worker then tasks
-            hold_worker(self.store, worker_id)
+        straight back to the worker that ran it. With nothing queued anywhere (as this controller last looked,
+        at most QUEUED_TENANTS_CACHE_S ago; what it queues itself it knows at once) the lease is not tried: the
+        results' commit waits for no queries that would find nothing, and the worker's long poll, which waits
+        for new tasks whenever it has room, takes what comes next."""
         accepted, refused = self.complete(worker_id, completions)
         queued = self.runs.take_queued()
         if ask is None:
             return Exchange(accepted, refused, queued)
+        if not self._tenants_queued():
+            return Exchange(accepted, refused, queued, LeaseResult())
         done = set(accepted)
         running = [tid for tid in ask.running if tid not in done]
         try:
@@ -802,6 +806,8 @@ class Controller:
                       "queued_at": now, "routing": routing, "alloc": None}  # fmt: skip
             updates.append((t.id, ACTIVE, t.attempts, values))
         done = self.store.update_tasks(updates)
+        for t, _ in items:
+            self.queued_for(t.tenant)
         self._audit_releases([t for t, _ in items if t.id in done], now)
         return done
 

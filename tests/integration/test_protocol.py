@@ -153,6 +153,16 @@ def test_a_completion_carrying_a_lease_answers_its_verdicts_and_the_next_tasks(c
     assert set(w.complete([ok(answer["tasks"][0])])) == {"accepted", "refused"}
 
 
+def test_a_completion_asking_for_work_with_none_queued_gets_its_verdicts_and_no_tasks(
+    controller: Cluster,
+) -> None:
+    w = stand_in(controller, "ex5")
+    submit(controller, "ex5", 1)
+    (leased,) = w.lease()["tasks"]
+    assert w.complete([ok(leased)], lease={"max_tasks": 16, "running": []}) == {
+        "accepted": [leased["id"]], "refused": [], "tasks": [], "cancel": []}  # fmt: skip
+
+
 def test_a_refused_result_is_refused_and_the_lease_it_carries_still_answers(controller: Cluster) -> None:
     w = stand_in(controller, "ex2", cpu=0.5)  # room for one
     submit(controller, "ex2", 2)
