@@ -84,6 +84,9 @@ class LeaseResult:
     cancel: list[str] = field(default_factory=list)  # task ids the worker must stop
     full: bool = False  # the worker has no room for anything it offers: only freed capacity changes that
     retry_in_s: float | None = None  # a batch is filling: ask again by then, even if nothing else changes
+    backlog: bool = (
+        False  # tasks it could serve stay queued (no room, or not its turn): its results should ask
+    )
 
 
 @dataclass(frozen=True)
@@ -438,7 +441,7 @@ class Controller:
         room = placement.room_of(worker, list(mine.values()))
         smallest = min((v.resources.cpu for v in worker.variants), default=0.0)
         if room.cpu + 1e-9 < smallest:
-            return LeaseResult([], cancel, full=True)  # nothing it offers could fit now
+            return LeaseResult([], cancel, full=True, backlog=True)  # nothing it offers could fit now
         workers = [w for w in fleet.values() if w.state is WorkerState.HEALTHY]
         caps = {v.capability for v in worker.variants}
         leases: list[Lease] = []
@@ -456,7 +459,9 @@ class Controller:
         # look a little past what fits (not the whole window) unless the head of the queue is not for us
         slots = min(max_tasks, int((room.cpu + 1e-9) / smallest) if smallest > 0 else max_tasks)
         window = min(self.settings.lease_window, max(16, 4 * slots))
+        seen = 0
         for task in self._queue(caps, window, tenant):
+            seen += 1
             if len(leases) >= max_tasks or (room.cpu + 1e-9 < smallest and not book.has_room()):
                 break
             offered = worker.offers(task.spec.capability)
@@ -585,6 +590,7 @@ class Controller:
                              gpus=grant_dict, routing=routing, attempts=task.attempts + 1, leased_at=now)  # fmt: skip
             leases.append(Lease(leased, decision.device, res, grant_dict, task.id if batch else None))
         retry_in_s = None
+        backlog = seen > len(leases)
         filling = book.waiting(now)  # batches still filling: leased once full or their wait is over
         if filling:
             skip = {tid for b in filling for tid in b.members}
@@ -599,7 +605,7 @@ class Controller:
                 self.gpu_allocations.take(lease.task.tenant)
             self._audit_allocations(worker_id, allocated, now)
         full = bool(leases) and room.cpu + 1e-9 < smallest  # what it was given filled it
-        return LeaseResult(leases, cancel, full=full, retry_in_s=retry_in_s)
+        return LeaseResult(leases, cancel, full=full, retry_in_s=retry_in_s, backlog=backlog)
 
     def _auto_fleet(self, workers: Sequence[Worker]) -> profiles.Fleet:
         """What `gpu: auto` weighs, read once per lease request: profiles, and the work queued and running."""
