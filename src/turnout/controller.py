@@ -92,6 +92,9 @@ class LeaseResult:
     cancel: list[str] = field(default_factory=list)  # task ids the worker must stop
     full: bool = False  # the worker has no room for anything it offers: only freed capacity changes that
     retry_in_s: float | None = None  # a batch is filling: ask again by then, even if nothing else changes
+    backlog: bool = (
+        False  # tasks it could serve stay queued (no room, or not its turn): its results should ask
+    )
 
 
 @dataclass(frozen=True)
@@ -448,7 +451,7 @@ class Controller:
         room = placement.room_of(worker, list(mine.values()))
         smallest = min((v.resources.cpu for v in worker.variants), default=0.0)
         if room.cpu + 1e-9 < smallest:
-            return LeaseResult([], cancel, full=True)  # nothing it offers could fit now
+            return LeaseResult([], cancel, full=True, backlog=True)  # nothing it offers could fit now
         workers = [w for w in fleet.values() if w.state is WorkerState.HEALTHY]
         caps = {v.capability for v in worker.variants}
         leases: list[Lease] = []
@@ -469,7 +472,9 @@ class Controller:
         shares = self._reservations(worker, mine.values(), tenant, now)  # tenancy.Reservations
         if shares is not None and not shares.anyone_may_take(smallest, room.cpu):
             return LeaseResult([], cancel)  # what is free here is kept for tenants with nothing queued
+        seen = 0
         for task in self._queue(caps, window, tenant):
+            seen += 1
             if len(leases) >= max_tasks or (room.cpu + 1e-9 < smallest and not book.has_room()):
                 break
             offered = worker.offers(task.spec.capability)
@@ -602,6 +607,7 @@ class Controller:
                              gpus=grant_dict, routing=routing, attempts=task.attempts + 1, leased_at=now)  # fmt: skip
             leases.append(Lease(leased, decision.device, res, grant_dict, task.id if batch else None))
         retry_in_s = None
+        backlog = seen > len(leases)
         filling = book.waiting(now)  # batches still filling: leased once full or their wait is over
         if filling:
             skip = {tid for b in filling for tid in b.members}
@@ -616,7 +622,7 @@ class Controller:
                 self.gpu_allocations.take(lease.task.tenant)
             self._audit_allocations(worker_id, allocated, now)
         full = bool(leases) and room.cpu + 1e-9 < smallest  # what it was given filled it
-        return LeaseResult(leases, cancel, full=full, retry_in_s=retry_in_s)
+        return LeaseResult(leases, cancel, full=full, retry_in_s=retry_in_s, backlog=backlog)
 
     def _reservations(
         self, worker: Worker, mine: Iterable[Task], tenant: str, now: float
@@ -663,6 +669,7 @@ class Controller:
         done = self.store.update_tasks(updates) if updates else []
         for t in tasks:
             if t.id in done:
+                self.queued_for(t.tenant)
                 log.warning("task %s: its lease never reached worker %s; taken back", t.id, t.worker_id)
         self._audit_releases([t for t in tasks if t.id in done], now)
         return done
@@ -723,13 +730,16 @@ class Controller:
     ) -> Exchange:
         """Commit a worker's results and, if it `ask`s, lease it work for the room they freed: in one call, so
         in one transaction (one fsync), and a pipeline's next stage, queued by its last stage's result, can go
-        straight back to the worker that ran it."""
-        if ask is not None:  # held before the results' rows are written: one lock order, worker then tasks
-            hold_worker(self.store, worker_id)
+        straight back to the worker that ran it. With nothing queued anywhere (as this controller last looked,
+        at most QUEUED_TENANTS_CACHE_S ago; what it queues itself it knows at once) the lease is not tried: the
+        results' commit waits for no queries that would find nothing, and the worker's long poll, which waits
+        for new tasks whenever it has room, takes what comes next."""
         accepted, refused = self.complete(worker_id, completions)
         queued = self.runs.take_queued()
         if ask is None:
             return Exchange(accepted, refused, queued)
+        if not self._tenants_queued():
+            return Exchange(accepted, refused, queued, LeaseResult())
         done = set(accepted)
         running = [tid for tid in ask.running if tid not in done]
         try:
@@ -835,6 +845,8 @@ class Controller:
                       "queued_at": now, "routing": routing, "alloc": None}  # fmt: skip
             updates.append((t.id, ACTIVE, t.attempts, values))
         done = self.store.update_tasks(updates)
+        for t, _ in items:
+            self.queued_for(t.tenant)
         self._audit_releases([t for t, _ in items if t.id in done], now)
         return done
 

@@ -12,7 +12,7 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +37,11 @@ pipelines:
     stages:
       - {capability: hop, gpu: never}
       - {capability: hop, gpu: never}
+  naps:
+    stages:
+      - {capability: napstage, gpu: never}
+      - {capability: napstage, gpu: never}
+      - {capability: napstage, gpu: never}
 """
 
 
@@ -143,6 +148,7 @@ def test_a_completion_carrying_a_lease_answers_its_verdicts_and_the_next_tasks(c
     answer = w.complete([ok(first, {"n": 1})], lease={"max_tasks": 16, "running": []})
 
     assert answer["accepted"] == [first["id"]] and answer["refused"] == [] and answer["cancel"] == []
+    assert answer["backlog"] is True  # one task for it stays queued: its next results should ask for work
     given = {t["id"] for t in answer["tasks"]}
     assert len(given) == 2 and first["id"] not in given  # the room the result freed, and what was free
     assert task(controller, first["id"])["state"] == "succeeded"
@@ -151,6 +157,16 @@ def test_a_completion_carrying_a_lease_answers_its_verdicts_and_the_next_tasks(c
     assert task(controller, left)["state"] == "queued"
     # without `lease`, the answer is what it always was
     assert set(w.complete([ok(answer["tasks"][0])])) == {"accepted", "refused"}
+
+
+def test_a_completion_asking_for_work_with_none_queued_gets_its_verdicts_and_no_tasks(
+    controller: Cluster,
+) -> None:
+    w = stand_in(controller, "ex5")
+    submit(controller, "ex5", 1)
+    (leased,) = w.lease()["tasks"]
+    assert w.complete([ok(leased)], lease={"max_tasks": 16, "running": []}) == {
+        "accepted": [leased["id"]], "refused": [], "tasks": [], "cancel": [], "backlog": False}  # fmt: skip
 
 
 def test_a_refused_result_is_refused_and_the_lease_it_carries_still_answers(controller: Cluster) -> None:
@@ -251,36 +267,71 @@ class Recorded(httpx.AsyncBaseTransport):
         await self.inner.aclose()
 
 
-def agent_for(c: Cluster, capability: str, transport: httpx.AsyncBaseTransport) -> Agent:
+def agent_for(c: Cluster, capability: str, transport: httpx.AsyncBaseTransport, cpus: float = 1) -> Agent:
+    """An agent whose tasks each take one CPU: `cpus` is how many it runs at once."""
     runnable = Runnable(Variant(capability, Device.CPU, parse_resources({"cpu": 1})),
                         ProcessPool(lambda key: Napping()), lambda lease: json.dumps(lease["input"]))  # fmt: skip
-    settings = AgentSettings(controller_url=c.url, token=c.token, name=f"agent-{capability}", gpus="none", cpus=1,
-                             heartbeat_s=1, drain_grace_s=2)  # fmt: skip
+    settings = AgentSettings(controller_url=c.url, token=c.token, name=f"agent-{capability}", gpus="none",
+                             cpus=cpus, heartbeat_s=1, drain_grace_s=2)  # fmt: skip
     return Agent(settings, [runnable], discover("none"), transport=transport)
 
 
-def test_the_agent_sends_a_result_with_a_lease_and_runs_what_the_answer_leases(controller: Cluster) -> None:
-    """Room for one task: while the first naps, the worker's long poll waits for capacity; the first one's
-    result asks for work, and the second task comes back in that answer and runs."""
+def serving(c: Cluster, capability: str, cpus: float, work: Callable[[], None]) -> Recorded:
+    """Run an agent (its HTTP recorded) while `work` runs on a thread; stop it however `work` ends."""
     recorded = Recorded()
 
     async def go() -> None:
-        agent = agent_for(controller, "nap1", recorded)
+        agent = agent_for(c, capability, recorded, cpus)
         stop = asyncio.Event()
         running = asyncio.create_task(agent.run(stop))
         try:
             await asyncio.wait_for(agent._registered.wait(), 30)
-            ids = await asyncio.to_thread(
-                lambda: [controller.submit("nap1", {"nap_s": 0.5, "i": i})["id"] for i in range(2)]
-            )
-            for task_id in ids:
-                done = await asyncio.to_thread(controller.result, task_id, 30)
-                assert done["state"] == "succeeded", done
+            await asyncio.to_thread(work)
         finally:
             stop.set()
             await asyncio.wait_for(running, 30)
 
     asyncio.run(go())
+    return recorded
+
+
+def test_a_pipelines_stages_run_one_after_another_each_leased_by_the_last_ones_result(
+    controller: Cluster,
+) -> None:
+    def work() -> None:
+        run = controller.api("POST", "/v1/pipelines/naps/runs", json={"input": {"nap_s": 0}}).json()
+        done = controller.api("GET", f"/v1/pipeline-runs/{run['id']}", params={"wait": 30}).json()
+        assert done["state"] == "succeeded", done
+
+    recorded = serving(controller, "napstage", 4, work)  # room to spare: no backlog, only the stages ask
+    leased = [t["labels"]["stage"] for body, answer in recorded.exchanges if "lease" in body
+              for t in answer.get("tasks", [])]  # fmt: skip
+    assert leased == ["1", "2"]
+
+
+def test_an_idle_workers_result_asks_for_no_work_and_its_long_poll_takes_the_next(
+    controller: Cluster,
+) -> None:
+    def work() -> None:
+        for i in range(3):
+            task_id = controller.submit("nap3", {"nap_s": 0, "i": i})["id"]
+            assert controller.result(task_id, 30)["state"] == "succeeded"
+
+    recorded = serving(controller, "nap3", 4, work)
+    assert len(recorded.exchanges) >= 1
+    assert not any("lease" in body for body, _ in recorded.exchanges)  # its commit waits for no empty lease
+
+
+def test_a_full_workers_result_asks_for_work_and_runs_what_the_answer_leases(controller: Cluster) -> None:
+    """Room for one task: while the first naps, the worker's long poll waits for capacity; the first one's
+    result asks for work, and the second task comes back in that answer and runs."""
+
+    def work() -> None:
+        ids = [controller.submit("nap1", {"nap_s": 0.5, "i": i})["id"] for i in range(2)]
+        for task_id in ids:
+            assert controller.result(task_id, 30)["state"] == "succeeded"
+
+    recorded = serving(controller, "nap1", 1, work)
     asked = [(body, answer) for body, answer in recorded.exchanges if "lease" in body]
     assert asked, "no completion asked for work"
     leased_by_exchange = [t["id"] for _, answer in asked for t in answer.get("tasks", [])]

@@ -320,8 +320,12 @@ def lease_out(le: Lease) -> dict[str, Any]:
 
 
 def leases_out(result: LeaseResult) -> dict[str, Any]:
-    """A lease's answer: `{tasks, cancel}`."""
-    return {"tasks": [lease_out(le) for le in result.leases], "cancel": result.cancel}
+    """A lease's answer: `{tasks, cancel, backlog}` (backlog: work for this worker stays queued)."""
+    return {
+        "tasks": [lease_out(le) for le in result.leases],
+        "cancel": result.cancel,
+        "backlog": result.backlog,
+    }
 
 
 class FastJSON(Response):

@@ -243,6 +243,9 @@ class Agent:
         # is numbered, and an answer's `cancel` applies only to tasks started before its request was sent.
         self._started = 0
         self._started_as: dict[str, int] = {}  # task id -> its number
+        self._backlog = False  # the last lease answer said work for this worker stays queued
+        self._asks_work: set[str] = set()  # tasks whose results should ask for work (see `_wants_work`)
+        self._cpu_of: dict[str, float] = {}  # running task id -> the CPU its lease holds
 
     def offered(self, runnables: list[Runnable]) -> list[Runnable]:
         """The variants this host's hardware can run: GPU variants only where some GPU could ever fit them."""
@@ -423,8 +426,9 @@ class Agent:
             self._accept(resp.json(), sent_as)
 
     def _accept(self, answer: dict[str, Any], sent_as: int) -> None:
-        """Act on a lease answer (`{tasks, cancel}`) to a request sent when `sent_as` tasks had been started:
-        stop what it cancels, start what it leases."""
+        """Act on a lease answer (`{tasks, cancel, backlog}`) to a request sent when `sent_as` tasks had been
+        started: stop what it cancels, start what it leases."""
+        self._backlog = bool(answer.get("backlog"))
         for task_id in answer.get("cancel", []):
             running = self.running.get(task_id)
             if running is None or self._started_as.get(task_id, 0) > sent_as:
@@ -444,6 +448,7 @@ class Agent:
             for lease in group:
                 self.running[lease["id"]] = job
                 self._started_as[lease["id"]] = self._started
+                self._cpu_of[lease["id"]] = float((lease.get("resources") or {}).get("cpu") or 0.0)
                 if len(group) > 1:
                     self._batch_of[lease["id"]] = members
 
@@ -452,6 +457,21 @@ class Agent:
         self.running.pop(task_id, None)
         self._batch_of.pop(task_id, None)
         self._started_as.pop(task_id, None)
+        self._cpu_of.pop(task_id, None)
+
+    def _full(self) -> bool:
+        """Whether the tasks running here leave no room for the smallest variant (as the controller counts CPU)."""
+        cpus = self.settings.cpus or float(os.cpu_count() or 1)
+        smallest = min((r.variant.resources.cpu for r in self.runnables.values()), default=0.0)
+        return sum(self._cpu_of.values()) + smallest > cpus + 1e-9
+
+    def _wants_work(self, results: list[dict[str, Any]]) -> bool:
+        """Whether these results should ask for work: the last lease answer said work for this worker stays
+        queued, or a result frees room the long poll was not waiting with (the worker was full, or the task
+        held GPUs), or may queue work itself (a pipeline's stage, a failure that may be retried). Otherwise
+        the long poll, which waits for new tasks whenever there is room, takes what comes next, and the
+        results' commit waits for no lease that would find nothing."""
+        return self._backlog or any(r.get("task_id") in self._asks_work for r in results)
 
     def _lease_ask(self) -> tuple[bytes, int] | None:
         """The `lease` a completion carries, encoded, and how many tasks had been started; None when this worker
@@ -543,6 +563,7 @@ class Agent:
                 False, error={"type": "worker_error", "message": f"{type(exc).__name__}: {exc}"}
             )
         results = _per_task(outcome, len(leases), batched)
+        frees_room = self._full() or bool(first.get("gpus"))  # room the long poll was not waiting with
         for i, (lease, result) in enumerate(zip(leases, results, strict=True)):
             if result.succeeded and i < len(files):  # what it left in its output directory goes back as files
                 try:
@@ -564,7 +585,10 @@ class Agent:
                 "isolation": outcome.isolation or isolation,  # what held and confined its process
                 "cold_start_s": None if cold_start_s is None else cold_start_s / share, "usage": usage or None,
             }  # fmt: skip
-            self._completions.append(checked_completion(completion))
+            checked = checked_completion(completion)
+            if frees_room or "pipeline" in (lease.get("labels") or {}) or checked["status"] != "succeeded":
+                self._asks_work.add(lease["id"])
+            self._completions.append(checked)
         self._completions_ready.set()
         # the result (and the next lease) go out first; the empty directories can go while they travel
         await asyncio.sleep(0)
@@ -743,28 +767,33 @@ class Agent:
         """Deliver the first `limit` items of `buf` (all: None) in batches; each batch leaves `buf` only once
         every item in it is settled (stored, replaced or dropped), so a cancelled send loses nothing.
 
-        `lease`: each request also asks for work (`_lease_ask`, fresh on every try, so its list of what runs
-        here is never stale), and the tasks in its answer start at once."""
+        `lease`: results that free room where work waits (`_wants_work`) also ask for work (`_lease_ask`, fresh
+        on every try, so its list of what runs here is never stale), and the tasks in the answer start at once."""
 
-        async def post(body: bytes) -> httpx.Response:
-            ask = self._lease_ask() if lease else None
-            if ask is not None:  # `body` is a JSON object: the lease goes in as one more member
-                body = b'%s,"lease":%s}' % (body[:-1], ask[0])
-            resp = await self.http.post(f"/v1/workers/{self.worker_id}/{path}", content=body, timeout=30,
-                                        headers={"Content-Type": "application/json"})  # fmt: skip
-            if ask is not None and resp.is_success:
-                try:
-                    self._accept(resp.json(), ask[1])
-                except Exception:  # the results are in; a lease we could not read is taken back after a while
-                    log.exception("could not read the work a completion's answer leased")
-            return resp
+        def poster(asks: bool) -> Callable[[bytes], Awaitable[httpx.Response]]:
+            async def post(body: bytes) -> httpx.Response:
+                ask = self._lease_ask() if asks else None
+                if ask is not None:  # `body` is a JSON object: the lease goes in as one more member
+                    body = b'%s,"lease":%s}' % (body[:-1], ask[0])
+                resp = await self.http.post(f"/v1/workers/{self.worker_id}/{path}", content=body, timeout=30,
+                                            headers={"Content-Type": "application/json"})  # fmt: skip
+                if ask is not None and resp.is_success:
+                    try:
+                        self._accept(resp.json(), ask[1])
+                    except Exception:  # the results are in; a lease not read is taken back after a while
+                        log.exception("could not read the work a completion's answer leased")
+                return resp
+
+            return post
 
         left = len(buf) if limit is None else limit
         while left > 0 and buf:
             batch = buf[: min(left, MAX_REPORT_BATCH)]
-            await deliver(post, key, batch, replace, f"{path} reports")
+            await deliver(poster(lease and self._wants_work(batch)), key, batch, replace, f"{path} reports")
             del buf[: len(batch)]
             left -= len(batch)
+            if lease:
+                self._asks_work.difference_update(c.get("task_id") for c in batch)
 
     async def _flush(self) -> None:
         while self._completions or self._events:
