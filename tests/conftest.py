@@ -82,7 +82,7 @@ class Cluster:
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TURNOUT_")}
         env.update(TURNOUT_HOME=str(self.tmp / "home"), TURNOUT_URL=self.url, PYTHONUNBUFFERED="1",
-                   PYTHONPATH=str(REPO))  # fmt: skip
+                   PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO)]))  # fmt: skip
         if self.token:
             env["TURNOUT_TOKEN"] = self.token
         return env
