@@ -293,3 +293,27 @@ def test_many_conditional_updates_in_one_call_apply_exactly_where_their_conditio
     ]
     assert tasks["t_000004"].output == {"ok": True} and tasks["t_000004"].finished_at == 5.0
     assert tasks["t_000006"].finished_at == 6.0 and tasks["t_000006"].cost_usd is None
+
+
+@pytest.mark.postgres
+def test_a_sweep_claim_meeting_another_replicas_open_claim_does_not_wait_for_it(pg_url: str) -> None:
+    stores = [open_store(pg_url), open_store(pg_url)]
+    try:
+        assert claim_sweep(stores[0], "reap", "a", 100.0, 1.0)
+        outcome: list[bool] = []
+        # Given replica A claiming the next round in a transaction still open (its sweep under way)
+        with stores[0].group():
+            assert claim_sweep(stores[0], "reap", "a", 101.0, 1.0)
+            # When replica B, whose turn it would be by the clock, asks meanwhile
+            other = threading.Thread(
+                target=lambda: outcome.append(claim_sweep(stores[1], "reap", "b", 102.5, 1.0)), daemon=True
+            )
+            other.start()
+            other.join(timeout=30)
+            # Then B is told no at once, without waiting for A's commit
+            assert not other.is_alive() and outcome == [False]
+        # And once A's transaction is over, B takes its turn
+        assert claim_sweep(stores[1], "reap", "b", 102.6, 1.0)
+    finally:
+        for s in stores:
+            s.close()

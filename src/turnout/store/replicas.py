@@ -17,7 +17,8 @@ the last one; on its own connection, never waiting for a lock (autovacuum may ho
 every replica, since each change is a conditional update, but running it everywhere is wasted work and
 contention. `claim_sweep` lets one replica per interval run it: a conditional update of the sweep's row
 in `sweeps`, in the sweep's own transaction, so a sweep whose transaction is lost gives its claim back,
-and a replica that dies simply stops claiming: another takes over within one interval.
+and a replica that dies simply stops claiming: another takes over within one interval. A row another
+replica's transaction holds is skipped, not waited for: that replica is sweeping now.
 
 **One lease at a time per worker.** A worker may ask for work twice at once (its long poll, and the lease its
 completion carries), perhaps through two replicas. `hold_worker` makes the second wait for the first's commit,
@@ -121,16 +122,19 @@ def claim_sweep(store: Store, name: str, holder: str, now: float, interval_s: fl
         return True
     sw = schema.sweeps
     due = now - interval_s * 0.9
+    # the row, unless another replica's transaction holds it (its sweep is under way): not waited for, or
+    # this replica's one database thread would stand still until the other's group commits
+    free = sa.select(sw.c.name).where(sw.c.name == name).with_for_update(skip_locked=True).scalar_subquery()
     with store._write() as conn:
         claimed = conn.execute(
             sw.update()
-            .where(sw.c.name == name, sa.or_(sw.c.swept_at <= due, sw.c.holder == holder))
+            .where(sw.c.name == free, sa.or_(sw.c.swept_at <= due, sw.c.holder == holder))
             .values(holder=holder, swept_at=now)
         ).rowcount
         if claimed:
             return True
         if conn.execute(sa.select(sw.c.name).where(sw.c.name == name)).first() is not None:
-            return False  # another replica swept a moment ago
+            return False  # another replica swept a moment ago, or sweeps now
         with contextlib.suppress(sa.exc.IntegrityError), conn.begin_nested():
             conn.execute(sw.insert().values(name=name, holder=holder, swept_at=now))
             return True
