@@ -58,6 +58,7 @@ def _succeeded_ids(cluster: Cluster) -> list[str]:
             return ids
 
 
+@pytest.mark.timeout(330)  # 35-45 s on a quiet 2-core machine; well past 120 s when the machine is shared
 def test_two_replicas_with_one_sigkilled_mid_run_complete_5000_tasks_exactly_once(
     pg_url: str, tmp_path: Path, processes: Processes, fault_report: FaultReport
 ) -> None:
@@ -85,7 +86,7 @@ def test_two_replicas_with_one_sigkilled_mid_run_complete_5000_tasks_exactly_onc
         assert resp.status_code == 201, resp.text
         accepted += [t["id"] for t in resp.json()["tasks"]]
     # and replica A is SIGKILLed once a fifth of them are done, and started again at once
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while _finished(b)[0] < TASKS // 5:
         assert time.monotonic() < deadline, "the first fifth did not finish in time"
         time.sleep(0.1)
@@ -93,7 +94,7 @@ def test_two_replicas_with_one_sigkilled_mid_run_complete_5000_tasks_exactly_onc
     killed = time.monotonic()
     a.start_controller()
     fault_report.recover_s = time.monotonic() - killed
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + 160
     while _finished(b) != (TASKS, 0):
         assert time.monotonic() < deadline, f"not all done: {_finished(b)}"
         time.sleep(0.2)
