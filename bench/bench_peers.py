@@ -11,8 +11,9 @@ One system at a time, never two at once, repetitions interleaved (T, C, R, T, C,
 
 Each phase is timed from the first submit until every result is in, and every task is counted as succeeded
 or not. Latency: sequential round trips, submit to result. CPU per task: user + system CPU from /proc of the
-system's processes (controller, worker agent, handlers; Celery's workers and the Redis server's delta; Ray's
-GCS, raylet and workers) over the bulk phase, divided by its tasks; the client's own share is beside it.
+system's processes (controller, worker agent, handlers; Celery's workers and the Redis server; Ray's GCS,
+raylet and workers), read by `peer_measure.CpuMeter` through the bulk phase (processes that start or end
+meanwhile included), divided by its tasks; the client's own share is beside it.
 Quarter-GPU case: a Turnout worker `--gpus fake:2x80Gi --cpus 2` (`bench.peer_app:gpu_app`) running tasks
 `gpu: require` that ask `gpu: 0.25`, against Ray tasks `num_gpus=0.25` (eight at once in both).
 
@@ -43,7 +44,7 @@ import psutil
 
 from bench.bench_throughput import _Profiler, _source_state
 from bench.common import REPO, RESULTS, Processes, TurnoutCluster
-from bench.peer_measure import latency_figures, own_cpu_s, phase_figures, tree_cpu_s
+from bench.peer_measure import CpuMeter, latency_figures, own_cpu_s, phase_figures
 from bench.peer_ray import MARK
 from bench.peer_report import LABELS, markdown, summarize
 from turnout.client import AsyncClient
@@ -113,22 +114,23 @@ async def _bulk(client: AsyncClient, cluster: TurnoutCluster, n: int, spec: dict
                 timeout_s: float, profile: bool = False) -> dict[str, Any]:  # fmt: skip
     roles = cluster.pids()
     profiler = _Profiler(roles, RESULTS, "peers-turnout-bulk") if profile else None
-    cpu0, cli0 = {role: tree_cpu_s([pid]) for role, pid in roles.items()}, own_cpu_s()
+    cli0 = own_cpu_s()
     t0 = time.perf_counter()
     ids: list[str] = []
     try:
-        for start in range(0, n, CHUNK):
-            ids += [h.id for h in await client.submit_batch([spec] * min(CHUNK, n - start))]
-        submit_s = time.perf_counter() - t0
-        await _all_done(client, ids[-1], timeout_s)
-        elapsed = time.perf_counter() - t0
-        cpu = {role: tree_cpu_s([pid]) - cpu0[role] for role, pid in roles.items()}
-        client_cpu = own_cpu_s() - cli0
+        with CpuMeter(roles) as meter:
+            for start in range(0, n, CHUNK):
+                ids += [h.id for h in await client.submit_batch([spec] * min(CHUNK, n - start))]
+            submit_s = time.perf_counter() - t0
+            await _all_done(client, ids[-1], timeout_s)
+            elapsed = time.perf_counter() - t0
+        cpu, client_cpu = meter.seconds(), own_cpu_s() - cli0 - meter.overhead_s
     finally:
         profiles = profiler.stop() if profiler is not None else None
     states, n_good = await _count(client, set(ids), good)
     out = phase_figures(n, elapsed, submit_s, n_good, cpu_s=sum(cpu.values()), client_cpu_s=client_cpu)
     out["cpu_ms_per_task_by_role"] = {role: round(1000 * s / n, 3) for role, s in cpu.items()}
+    out["processes_started"] = meter.started()
     out["states"] = states
     if profiles is not None:
         out["profile"] = profiles
@@ -249,14 +251,24 @@ def celery_missing() -> str | None:
     return None
 
 
-def _redis_cpu_s() -> float:
-    """The Redis server's CPU seconds: from /proc when its process is visible here, else from INFO."""
+def _redis_info_cpu_s() -> float:
+    """The Redis server's CPU seconds by its own account (INFO), for when its process is not visible here."""
     import redis
 
-    info = redis.Redis.from_url(REDIS_URL).info()
-    with contextlib.suppress(psutil.Error, KeyError):
-        return tree_cpu_s([int(info["process_id"])])
+    info = redis.Redis.from_url(REDIS_URL).info("cpu")
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def _celery_roots(worker_pid: int) -> dict[str, int]:
+    """The processes Celery's CPU is read from: its worker tree, and the Redis server where /proc shows it."""
+    import redis
+
+    roots = {"celery": worker_pid}
+    with contextlib.suppress(psutil.Error, KeyError, ValueError):
+        pid = int(redis.Redis.from_url(REDIS_URL).info("server")["process_id"])
+        psutil.Process(pid).cpu_times()
+        roots["redis"] = pid
+    return roots
 
 
 def celery_rep(params: dict[str, Any]) -> dict[str, Any]:
@@ -284,15 +296,22 @@ def celery_rep(params: dict[str, Any]) -> dict[str, Any]:
         group(noop.s() for _ in range(WARMUP)).apply_async().get(timeout=timeout_s)
         out: dict[str, Any] = {"version": __import__("celery").__version__, "slots": 2}
 
-        sys0, cli0 = tree_cpu_s([worker.pid]) + _redis_cpu_s(), own_cpu_s()
+        roots = _celery_roots(worker.pid)
+        redis0, cli0 = _redis_info_cpu_s(), own_cpu_s()
         t0 = time.perf_counter()
-        result = group(noop.s() for _ in range(n)).apply_async()
-        submit_s = time.perf_counter() - t0
-        result.get(timeout=timeout_s, propagate=False)
-        elapsed = time.perf_counter() - t0
-        cpu, client = tree_cpu_s([worker.pid]) + _redis_cpu_s() - sys0, own_cpu_s() - cli0
+        with CpuMeter(roots) as meter:
+            result = group(noop.s() for _ in range(n)).apply_async()
+            submit_s = time.perf_counter() - t0
+            result.get(timeout=timeout_s, propagate=False)
+            elapsed = time.perf_counter() - t0
+        cpu = meter.seconds()
+        if "redis" not in roots:
+            cpu["redis"] = _redis_info_cpu_s() - redis0
+        client = own_cpu_s() - cli0 - meter.overhead_s
         good = sum(1 for r in result.results if r.successful())
-        out["bulk"] = phase_figures(n, elapsed, submit_s, good, cpu_s=cpu, client_cpu_s=client)
+        out["bulk"] = phase_figures(n, elapsed, submit_s, good, cpu_s=sum(cpu.values()), client_cpu_s=client)
+        out["bulk"]["cpu_ms_per_task_by_role"] = {role: round(1000 * s / n, 3) for role, s in cpu.items()}
+        out["bulk"]["processes_started"] = meter.started()
 
         t0 = time.perf_counter()
         singles = ResultSet([noop.delay() for _ in range(n)])

@@ -7,7 +7,8 @@ through `phase_figures` and `latency_figures`, so the three rows of the table me
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+import threading
+import time
 from typing import Any
 
 import psutil
@@ -15,25 +16,67 @@ import psutil
 from bench.common import percentile
 
 
-def tree_cpu_s(roots: Iterable[int], *, include_roots: bool = True) -> float:
-    """User + system CPU seconds of the processes under `roots` (each counted once), and of the children they
-    reaped. `include_roots=False` leaves the roots' own time out (Ray's driver is the client, not the system)."""
-    seen: dict[int, psutil.Process] = {}
-    for pid in roots:
-        try:
-            root = psutil.Process(pid)
-            members = (
-                [root, *root.children(recursive=True)] if include_roots else root.children(recursive=True)
-            )
-        except psutil.NoSuchProcess:
-            continue
-        seen.update((p.pid, p) for p in members)
-    total = 0.0
-    for proc in seen.values():
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-            t = proc.cpu_times()
-            total += t.user + t.system + t.children_user + t.children_system
-    return total
+class CpuMeter:
+    """User + system CPU seconds that process trees burn while the meter runs, by role.
+
+    Processes come and go during a phase (Ray replaces idle workers, a pool may restart one), and a parent that
+    ignores SIGCHLD never adds a dead child's time to its own; so each process (pid and start time) is read every
+    `interval_s` on a thread, and what counts is its last reading less its reading when the meter started (0 for
+    one born meanwhile). Reaped children's totals are not used, so nothing counts twice; a process that lives
+    less than one interval unseen is missed. `include_roots=False` leaves the roots' own time out (Ray's driver
+    is the client, not the system).
+    """
+
+    def __init__(
+        self, roots: dict[str, int], *, include_roots: bool = True, interval_s: float = 0.25
+    ) -> None:
+        self.roots, self.include_roots, self.interval_s = roots, include_roots, interval_s
+        self._first: dict[tuple[int, float], float] = {}
+        self._last: dict[str, dict[tuple[int, float], float]] = {role: {} for role in roots}
+        self.overhead_s = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="cpu-meter", daemon=True)
+
+    def _read(self) -> None:
+        for role, pid in self.roots.items():
+            try:
+                root = psutil.Process(pid)
+                procs = (
+                    [root, *root.children(recursive=True)]
+                    if self.include_roots
+                    else root.children(recursive=True)
+                )
+            except psutil.Error:
+                continue
+            for proc in procs:
+                with contextlib.suppress(psutil.Error):
+                    t = proc.cpu_times()
+                    self._last[role][(proc.pid, proc.create_time())] = t.user + t.system
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._read()
+        self.overhead_s = time.thread_time()  # this thread's own CPU: the caller takes it off the client's
+
+    def __enter__(self) -> CpuMeter:
+        self._read()
+        self._first = {key: cpu for readings in self._last.values() for key, cpu in readings.items()}
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._read()
+
+    def started(self) -> int:
+        """Processes first seen after the meter started: a short-lived one may also have come and gone unseen."""
+        return sum(1 for readings in self._last.values() for key in readings if key not in self._first)
+
+    def seconds(self) -> dict[str, float]:
+        """CPU seconds by role, once the meter has stopped."""
+        return {role: sum(cpu - self._first.get(key, 0.0) for key, cpu in readings.items())
+                for role, readings in self._last.items()}  # fmt: skip
 
 
 def own_cpu_s() -> float:

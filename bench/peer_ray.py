@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Any
 
-from bench.peer_measure import latency_figures, own_cpu_s, phase_figures, tree_cpu_s
+from bench.peer_measure import CpuMeter, latency_figures, own_cpu_s, phase_figures
 
 MARK = "PEER_RESULT "
 WARMUP = 200
@@ -56,15 +56,16 @@ def _succeeded(ray: Any, refs: list[Any], ok: Any, timeout_s: float, *, each: bo
 
 
 def _timed(ray: Any, fn: Any, n: int, ok: Any, timeout_s: float, *, one_get_per_task: bool) -> dict[str, Any]:
-    me = os.getpid()
-    sys0, cli0 = tree_cpu_s([me], include_roots=False), own_cpu_s()
+    cli0 = own_cpu_s()
     t0 = time.perf_counter()
-    refs = [fn.remote() for _ in range(n)]
-    submit_s = time.perf_counter() - t0
-    good = _succeeded(ray, refs, ok, timeout_s, each=one_get_per_task)
-    elapsed = time.perf_counter() - t0
-    cpu, client = tree_cpu_s([me], include_roots=False) - sys0, own_cpu_s() - cli0
-    return phase_figures(n, elapsed, submit_s, good, cpu_s=cpu, client_cpu_s=client)
+    with CpuMeter({"ray": os.getpid()}, include_roots=False) as meter:
+        refs = [fn.remote() for _ in range(n)]
+        submit_s = time.perf_counter() - t0
+        good = _succeeded(ray, refs, ok, timeout_s, each=one_get_per_task)
+        elapsed = time.perf_counter() - t0
+    cpu, client = meter.seconds()["ray"], own_cpu_s() - cli0 - meter.overhead_s
+    return {**phase_figures(n, elapsed, submit_s, good, cpu_s=cpu, client_cpu_s=client),
+            "processes_started": meter.started()}  # fmt: skip
 
 
 def phases(ray: Any, params: dict[str, Any]) -> dict[str, Any]:

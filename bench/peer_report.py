@@ -110,11 +110,9 @@ def _cell_rate(value: float | None) -> str:
 
 
 def _notes(rows: dict[str, dict[str, Any]]) -> list[str]:
-    notes = []
-    roles = rows["turnout"].get("cpu_ms_per_task_by_role")
-    if roles:
-        notes.append("Turnout's CPU per task by process tree: "
-                     + ", ".join(f"{role} {_num(ms, 2)} ms" for role, ms in roles.items()) + ".")  # fmt: skip
+    by_system = [f"{LABELS[name].split(' (')[0]}: " + ", ".join(f"{role} {_num(ms, 2)}" for role, ms in roles.items())
+                 for name, r in rows.items() if (roles := r.get("cpu_ms_per_task_by_role"))]  # fmt: skip
+    notes = [f"CPU per task by process tree, ms: {'; '.join(by_system)}."] if by_system else []
     default = rows["ray"].get("quarter_gpu_default_tasks_per_s")
     if default is not None:
         notes.append("Ray's quarter-GPU tasks reuse their workers (`max_calls=0`); at Ray's default for GPU tasks "

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from typing import Any
 
 from bench import bench_peers
+from bench.peer_measure import CpuMeter
 from bench.peer_report import markdown, row, summarize
 
 
@@ -155,7 +158,7 @@ def test_notes_give_turnouts_cpu_by_process_and_rays_default_gpu_workers() -> No
 
     assert summary["rows"]["turnout"]["cpu_ms_per_task_by_role"] == {"controller": 5.0, "worker-peers": 7.25}
     assert summary["rows"]["ray"]["quarter_gpu_default_tasks_per_s"] == 1.14
-    assert "Turnout's CPU per task by process tree: controller 5.00 ms, worker-peers 7.25 ms." in text
+    assert "CPU per task by process tree, ms: Turnout: controller 5.00, worker-peers 7.25." in text
     assert "(`max_calls=1`, a new worker process per task) they ran 1.1 tasks/s." in text
     assert "| Celery (prefork -c 2, Redis) | no Redis |" in text
 
@@ -167,3 +170,32 @@ def test_a_peer_whose_package_cannot_be_imported_is_skipped_as_not_installed(mon
     assert bench_peers.ray_rep({}) == {"skipped": bench_peers.NOT_INSTALLED}
     assert bench_peers.celery_missing() == bench_peers.NOT_INSTALLED
     assert bench_peers.installed("json") and not bench_peers.installed("no_such_module_for_sure")
+
+
+BURNER = "import time\nwhile time.process_time() < 0.3: pass\nprint('burnt', flush=True)\ntime.sleep(120)\n"
+
+
+def start_burner() -> subprocess.Popen[str]:
+    """A process that has used at least 0.3 s of CPU once it prints `burnt`, and then sleeps."""
+    proc = subprocess.Popen([sys.executable, "-c", BURNER], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "burnt\n"
+    return proc
+
+
+def test_cpu_meter_counts_a_process_born_during_the_phase_and_not_one_that_ended_before_its_end() -> None:
+    """Given a busy process that ends (reaped outside the metered trees) while the meter runs and another that
+    is born and burns 0.3 s meanwhile, the meter shows the newcomer's time, not the sum of the trees at the
+    end less the sum at the start (which the vanished process's earlier time would pull down to about zero)."""
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        procs.append(start_burner())
+        with CpuMeter({"children": os.getpid()}, include_roots=False) as meter:
+            procs[0].kill()
+            procs[0].wait()  # reaped by this (unmetered) process: its time leaves the metered tree
+            procs.append(start_burner())
+        assert meter.seconds()["children"] >= 0.25  # /proc counts in clock ticks: 0.3 s may read as 0.29
+        assert meter.overhead_s >= 0
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
