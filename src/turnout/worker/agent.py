@@ -3,8 +3,9 @@
 Four loops share one HTTP client: heartbeat (liveness and GPU metrics), lease (a long poll that also
 names the tasks still running here, so the controller can tell us which to stop), and two senders that
 batch completions and events, so a chatty task or a burst of tiny ones costs few requests. A completion
-goes out at once and asks for work for the room it frees in the same request (`complete` with `lease`):
-a busy worker, or a pipeline's next stage, needs no second round trip; the long poll is for idle times.
+goes out at once, and where work waits for the room it frees (a backlog, a pipeline's next stage) it asks
+for that work in the same request (`complete` with `lease`): no second round trip. The long poll, which
+waits for new tasks whenever there is room, takes the rest.
 Every result and event is checked once as it is queued (`reports`): what JSON cannot carry fails its task
 with `invalid_output`, and the senders never die, whatever the controller answers.
 """
@@ -236,9 +237,8 @@ class Agent:
         self._proc_tenant: weakref.WeakKeyDictionary[ProtocolProcess, str] = weakref.WeakKeyDictionary()
         self._batch_of: dict[str, frozenset[str]] = {}  # task id -> the ids of the batch it runs in
         self._unwanted: set[str] = set()  # batch members the controller asked us to stop
-        self._features: frozenset[str] = (
-            frozenset()
-        )  # what the controller's protocol offers (register answer)
+        # what the controller's worker protocol offers beyond its first version (the register answer says)
+        self._features: frozenset[str] = frozenset()
         # Leases arrive by two requests that may cross (the long poll, a completion's lease): each task started
         # is numbered, and an answer's `cancel` applies only to tasks started before its request was sent.
         self._started = 0
