@@ -42,6 +42,7 @@ from turnout.models import (
 )
 from turnout.routing import ClusterView, Route, WorkerOffer, route, servable
 from turnout.store import Store
+from turnout.store.files import FileRecord
 from turnout.store.replicas import hold_worker
 from turnout.store.runs import RunSample
 from turnout.tenancy import (
@@ -1028,6 +1029,84 @@ class Controller:
                                                   "memory_bytes": (t.gpus or {}).get("memory_bytes"),
                                                   "start": start, "end": now,
                                                   "seconds": round(now - start, 6) if start else None})  # fmt: skip
+
+    # ---- reads for the API ----
+    # What the routes, the dashboard and /metrics read: nothing above the controller holds the store.
+
+    def find_task(self, task_id: str) -> Task | None:
+        """Any tenant's task, or None: for callers that judge who may see it themselves (worker transfers)."""
+        return self.store.get_task(task_id)
+
+    def find_worker(self, worker_id: str) -> Worker | None:
+        return self.store.get_worker(worker_id)
+
+    def all_workers(self) -> list[Worker]:
+        """Every worker registered, those gone included (`workers()` lists the live ones)."""
+        return self.store.list_workers(include_gone=True)
+
+    def worker_tenants(self) -> dict[str, str]:
+        """Worker id -> the tenant it serves (`"*"`: every tenant)."""
+        return self.store.worker_tenants()
+
+    def active_tasks(self) -> list[Task]:
+        return self.store.active_tasks()
+
+    def queue_depths(self, tenant: str | None) -> dict[str, dict[str, int]]:
+        """Capability -> {state: count} of unfinished tasks; `tenant` None: every tenant's."""
+        return self.store.queue_depths(tenant)
+
+    def task_stats(
+        self,
+        states: Iterable[TaskState] | None = None,
+        run_s_buckets: Sequence[float] = (),
+        *,
+        tenant: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """Tasks grouped by capability, state, device and gpu value, with run-seconds sums (store.task_stats)."""
+        return self.store.task_stats(states, run_s_buckets, tenant=tenant)
+
+    def events(self, task_id: str, after: int, limit: int) -> list[tuple[int, float, dict[str, Any]]]:
+        """A task's stored events with seq > `after`, oldest first: (seq, ts, body)."""
+        return self.store.read_events(task_id, after, limit)
+
+    def last_event_seq(self, task_id: str) -> int:
+        return self.store.last_event_seq(task_id)
+
+    def list_audit(
+        self, since: float | None, limit: int, *, tenant: str | None, kind: str | None, after_id: int | None
+    ) -> list[dict[str, Any]]:
+        return self.store.list_audit(since, limit, tenant=tenant, kind=kind, after_id=after_id)
+
+    def learned_profiles(self) -> list[profiles.Profile]:
+        """Observed run times and peaks per (capability, device, GPU model): what `gpu: auto` routes on."""
+        return self.store.runs.profiles()
+
+    def cost_by_tenant(self) -> list[tuple[str, str, float]]:
+        """(capability, tenant, USD) of every priced task."""
+        return self.store.runs.cost_by_tenant()
+
+    def run_counts(self) -> list[tuple[str, str, int]]:
+        """(pipeline, state, count) of pipeline runs."""
+        return self.store.runs.run_counts()
+
+    def file_record(self, file_id: str) -> FileRecord | None:
+        return self.store.files.get(file_id)
+
+    def record_file(self, record: FileRecord) -> None:
+        """Commit a file's record; its bytes are already fsync'd in place (api/files.py)."""
+        self.store.files.insert(record)
+
+    def delete_file(self, file_id: str) -> bool:
+        return self.store.files.delete(file_id)
+
+    def expire_files(self, replica_id: str, interval_s: float) -> list[str]:
+        """Delete expired files' records, if this replica claims this round of the files sweep; their ids."""
+        from turnout.store.replicas import claim_sweep
+
+        now = self.clock()
+        if not claim_sweep(self.store, "files", replica_id, now, interval_s):
+            return []
+        return self.store.files.expire(now)
 
 
 def _audit_tenant(tenant: str) -> str | None:

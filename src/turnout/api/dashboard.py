@@ -8,18 +8,18 @@ and no token (or a bad one) is held, the API answers 401 and the page asks for o
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from importlib.resources import files
 from typing import Any
 
 import jinja2
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
 from turnout import __version__
 from turnout.access import Action, Principal
+from turnout.api.guards import Guards
 from turnout.api.schemas import iso, task_out
 from turnout.api.service import Service
 from turnout.dashboard.view import Totals, queue_views, totals, worker_views
@@ -43,20 +43,15 @@ _templates = jinja2.Environment(
 )
 
 
-Need = Callable[[Action], Any]
-Scope = Callable[[Principal], str | None]
-Visible = Callable[[Principal], Awaitable[set[str] | None]]  # the worker ids a caller sees; None: all
+def static_files() -> StaticFiles:
+    """The page's script and style, mounted at /static."""
+    return StaticFiles(directory=str(files("turnout.dashboard") / "static"))
 
 
-def install(app: FastAPI, service: Service, need: Need, scope: Scope, visible: Visible) -> None:
-    """Add the dashboard's pages, static files and data routes to `app`; `need`, `scope` and `visible` are the
-    app's access rules (a tenant sees its own tasks and queues, and the workers that may serve it)."""
-    app.include_router(router(service, need, scope, visible))
-    app.mount("/static", StaticFiles(directory=str(files("turnout.dashboard") / "static")), name="static")
-
-
-def router(service: Service, need: Need, scope: Scope, visible: Visible) -> APIRouter:
+def router(service: Service, guards: Guards) -> APIRouter:
+    """The pages and their data; a tenant sees its own tasks and queues, and the workers that may serve it."""
     api = APIRouter()
+    need = guards.need
     ctrl = service.controller
     totals_cache: dict[str | None, tuple[float, Totals]] = {}
 
@@ -65,7 +60,7 @@ def router(service: Service, need: Need, scope: Scope, visible: Visible) -> APIR
         if hit is None or time.monotonic() - hit[0] > TOTALS_CACHE_S:
             hit = totals_cache[tenant] = (
                 time.monotonic(),
-                totals(await service.read(ctrl.store.task_stats, None, tenant=tenant)),
+                totals(await service.read(ctrl.task_stats, None, tenant=tenant)),
             )
         return hit[1]
 
@@ -87,11 +82,11 @@ def router(service: Service, need: Need, scope: Scope, visible: Visible) -> APIR
 
         A tenant's view holds its own queues and tasks, and the workers that may serve it (its own and the
         shared pool's); other tenants' holds on those workers' GPUs show as `other tenants`, without ids."""
-        tenant = scope(p)
-        seen = await visible(p)
+        tenant = p.scope
+        seen = await guards.visible_workers(p)
         workers = [w for w in await service.read(ctrl.workers) if seen is None or w.id in seen]
-        active = await service.read(ctrl.store.active_tasks)
-        mine = await service.read(ctrl.store.task_stats, NON_TERMINAL, tenant=tenant)  # None: every tenant's
+        active = await service.read(ctrl.active_tasks)
+        mine = await service.read(ctrl.task_stats, NON_TERMINAL, tenant=tenant)  # None: every tenant's
         recent = await service.read(ctrl.list_tasks, tenant, limit=RECENT_TASKS)
         sums = await totals_of(tenant)
         live = totals(mine)  # queued and running from this read, not from the cached scan

@@ -29,13 +29,14 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect
 from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 
 from turnout.access import Action, Principal
+from turnout.api.guards import Guards
 from turnout.api.schemas import Strict, iso
 from turnout.api.service import STORAGE_RETRY_AFTER_S, Service
 from turnout.api.strictjson import StrictJsonRoute
@@ -43,9 +44,7 @@ from turnout.auth import WorkerCredential
 from turnout.errors import Conflict, InvalidInput, NotFound, StorageUnavailable
 from turnout.files import SHA256_HEADER, refs_in
 from turnout.models import ACTIVE_STATES, Task
-from turnout.store.base import FileRecordStore
 from turnout.store.files import CHUNK_BYTES, FILE_ID, Blobs, BlobWriter, FileRecord, new_file_id
-from turnout.store.replicas import claim_sweep
 
 log = logging.getLogger("turnout.api")
 R = TypeVar("R")
@@ -64,23 +63,16 @@ class BigFileResponse(FileResponse):
     chunk_size = CHUNK_BYTES  # a megabyte per read (on a thread) and per write to the socket
 
 
-def install(
-    app: FastAPI,
-    service: Service,
-    need: Callable[[Action], Any],
-    scope: Callable[[Principal], str | None],
-    this_worker: Any,
-) -> None:
-    """Add the routes and the retention sweep; files live under `settings.storage_dir`.
-
-    `need(Action)` and `scope` are the API's own access checks (api/app.py); `this_worker` is its dependency
-    that proves the caller is the worker in the path (its registering token and `X-Worker-Secret`)."""
+def router(service: Service, guards: Guards) -> APIRouter:
+    """The file routes, over the files under `settings.storage_dir` (which must be set); registers the
+    retention sweep with the service, to run while it does."""
     settings = service.controller.settings
     if settings.storage_dir is None:
-        return  # a controller built without storage (some tests): no file routes
+        raise ValueError("file routes need settings.storage_dir")
+    need, this_worker = guards.need, guards.this_worker()
+    ctrl = service.controller
     blobs = Blobs(settings.storage_dir)
     blobs.ensure()
-    records = service.controller.store.files
     api = APIRouter(route_class=StrictJsonRoute)
     limits = settings.request_limits
 
@@ -98,7 +90,7 @@ def install(
         missing = NotFound(f"file {file_id} not found", field="id")
         if not FILE_ID.match(file_id):
             raise missing
-        record = await service.read(records.get, file_id)
+        record = await service.read(ctrl.file_record, file_id)
         if record is None or (tenant is not None and record.tenant != tenant):
             raise missing
         return record
@@ -134,7 +126,7 @@ def install(
         now = service.controller.clock()
         record = FileRecord(file_id, tenant, name, writer.size, writer.sha256, now, expiry(now), task_id)
         try:
-            await service.call(records.insert, record)
+            await service.call(ctrl.record_file, record)
         except BaseException:
             await _blocking(blobs.remove, file_id)
             raise
@@ -144,7 +136,7 @@ def install(
         """Record a file whose bytes were written into `objects/<id>` of the shared storage directly."""
         if not FILE_ID.match(body.id):
             raise InvalidInput(f"id: {body.id!r} is not a file id (f_ and 28 hex digits)", field="id")
-        if await service.read(records.get, body.id) is not None:
+        if await service.read(ctrl.file_record, body.id) is not None:
             raise Conflict(f"id: file {body.id} is already recorded", field="id")
         try:
             size, digest = await _blocking(_hash_file, blobs, body.id)
@@ -158,7 +150,7 @@ def install(
             )
         now = service.controller.clock()
         record = FileRecord(body.id, tenant, body.name, size, digest, now, expiry(now), task_id)
-        await service.call(records.insert, record)
+        await service.call(ctrl.record_file, record)
         return file_out(record)
 
     async def send(request: Request, record: FileRecord) -> Any:
@@ -198,14 +190,15 @@ def install(
         """Record a file whose bytes the caller wrote into `objects/<id>` of the shared storage itself."""
         return await record_shared(body, p.home_tenant, None)
 
-    @api.api_route("/v1/files/{file_id}", methods=["GET", "HEAD"])
+    @api.get("/v1/files/{file_id}")
+    @api.head("/v1/files/{file_id}")  # a route of its own: its own operation id in the OpenAPI document
     async def download(request: Request, file_id: str, p: Principal = need(Action.READ)) -> Any:
-        return await send(request, await visible_file(file_id, scope(p)))
+        return await send(request, await visible_file(file_id, p.scope))
 
     @api.delete("/v1/files/{file_id}")
     async def delete(file_id: str, p: Principal = need(Action.SUBMIT)) -> Any:
-        record = await visible_file(file_id, scope(p))
-        if await service.call(records.delete, record.id):
+        record = await visible_file(file_id, p.scope)
+        if await service.call(ctrl.delete_file, record.id):
             await _blocking(blobs.remove, record.id)
         return {"id": record.id, "deleted": True}
 
@@ -235,7 +228,8 @@ def install(
         held = await held_task(worker_id, task, attempt)
         return await record_shared(body, held.tenant, held.id)
 
-    @api.api_route("/v1/workers/{worker_id}/files/{file_id}", methods=["GET", "HEAD"])
+    @api.get("/v1/workers/{worker_id}/files/{file_id}")
+    @api.head("/v1/workers/{worker_id}/files/{file_id}")
     async def worker_download(
         request: Request,
         worker_id: str,
@@ -253,8 +247,8 @@ def install(
             raise NotFound(f"file {file_id} not found", field="id")
         return await send(request, record)
 
-    app.include_router(api)
-    service.run_in_background(functools.partial(_expire_forever, service, records, blobs))
+    service.run_in_background(functools.partial(_expire_forever, service, blobs))
+    return api
 
 
 def _disk_failure(exc: OSError) -> StorageUnavailable:
@@ -269,7 +263,7 @@ def file_out(record: FileRecord) -> dict[str, Any]:
 
 
 async def _task(service: Service, task_id: str) -> Task:
-    task = await service.read(service.controller.store.get_task, task_id)
+    task = await service.read(service.controller.find_task, task_id)
     if task is None:
         raise NotFound(f"task {task_id} not found", field="task")
     return task
@@ -371,23 +365,16 @@ def _stat(blobs: Blobs, file_id: str) -> Any:
         return None
 
 
-async def _expire_forever(service: Service, records: FileRecordStore, blobs: Blobs) -> None:
+async def _expire_forever(service: Service, blobs: Blobs) -> None:
     """Delete expired files: records first (one replica per round), then their bytes; and stale tmp/ files."""
-    settings = service.controller.settings
+    ctrl = service.controller
+    settings = ctrl.settings
     interval_s = min(60.0, max(0.5, settings.file_retention_s / 4)) if settings.file_retention_s else 60.0
-
-    def expire() -> list[str]:
-        ctrl = service.controller
-        now = ctrl.clock()
-        if not claim_sweep(ctrl.store, "files", service.replica_id, now, interval_s):
-            return []
-        return records.expire(now)
-
     while True:
         try:
-            for file_id in await service.call(expire):
+            for file_id in await service.call(ctrl.expire_files, service.replica_id, interval_s):
                 await _blocking(blobs.remove, file_id)
-            await _blocking(blobs.remove_stale_tmp, service.controller.clock())
+            await _blocking(blobs.remove_stale_tmp, ctrl.clock())
         except Exception:  # the sweep outlives a bad moment; the next round tries again
             log.exception("expiring files failed")
         await asyncio.sleep(interval_s)

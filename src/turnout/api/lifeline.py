@@ -75,7 +75,7 @@ def router(service: Service, worker_role: Any) -> APIRouter:
 
     @api.get("/v1/workers/{worker_id}/lifeline", dependencies=[worker_role])
     async def lifeline(worker_id: str) -> Response:
-        worker = await service.read(service.controller.store.get_worker, worker_id)
+        worker = await service.read(service.controller.find_worker, worker_id)
         if worker is None or worker.state is WorkerState.GONE:
             raise NotFound(f"worker {worker_id} not found; register again", field="worker")
         # Opening one is a sign of life, stored like a heartbeat: where several controllers share the

@@ -1,4 +1,4 @@
-"""`GET /metrics`: Prometheus series for everything the dashboard shows, through prometheus-client.
+"""`GET /metrics` (and `GET /healthz`): Prometheus series for everything the dashboard shows, through prometheus-client.
 
 Two kinds of series, chosen by whether a number must survive a restart and agree across replicas:
 
@@ -18,16 +18,21 @@ process, as they do in tests.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from turnout import __version__
+from turnout.api.schemas import iso
 from turnout.api.service import Service
+from turnout.api.strictjson import StrictJsonRoute
 from turnout.controller import Controller
 from turnout.dashboard.view import GpuView, queue_views, reason_class, worker_views
 from turnout.models import Lease, WorkerState
@@ -65,17 +70,16 @@ class StateCollector(Collector):
         self.ctrl = controller
 
     def collect(self) -> Iterator[Metric]:
-        store = self.ctrl.store
-        now = self.ctrl.clock()
-        stats = store.task_stats(run_s_buckets=RUN_S_BUCKETS)
-        yield from _task_metrics(stats)
-        everyone = store.list_workers(include_gone=True)
+        ctrl = self.ctrl
+        now = ctrl.clock()
+        yield from _task_metrics(ctrl.task_stats(run_s_buckets=RUN_S_BUCKETS))
+        everyone = ctrl.all_workers()
         live = [w for w in everyone if w.state is not WorkerState.GONE]
         by_state = GaugeMetricFamily("turnout_workers", "Workers by state.", labels=["state"])
         for state in WorkerState:
             by_state.add_metric([state.value], sum(1 for w in everyone if w.state is state))
         yield by_state
-        views = worker_views(live, store.active_tasks(), viewer_tenant=None, now=now)
+        views = worker_views(live, ctrl.active_tasks(), viewer_tenant=None, now=now)
         active = GaugeMetricFamily("turnout_worker_active_tasks", "Tasks leased to or running on each worker.",
                                    labels=["worker", "worker_id"])  # fmt: skip
         age = GaugeMetricFamily("turnout_worker_heartbeat_age_seconds", "Seconds since each worker's last heartbeat.",
@@ -86,12 +90,12 @@ class StateCollector(Collector):
         yield active
         yield age
         yield from _gpu_metrics([(v.name, g) for v in views for g in v.gpus])
-        yield from _run_metrics(self.ctrl)
+        yield from _run_metrics(ctrl)
         yield CounterMetricFamily(
             "turnout_lease_expiries",
             "Tasks taken back from workers that died: silent for three heartbeats or their connection gone "
             "(re-queued, or failed worker_lost). Counted by this controller since it started.",
-            value=getattr(self.ctrl, "lease_expiries", 0),
+            value=ctrl.lease_expiries,
         )
 
 
@@ -154,12 +158,12 @@ def _run_metrics(ctrl: Controller) -> Iterator[Metric]:
     """Cost per capability and tenant, and pipeline runs by state: read from the store, like the task series."""
     cost = CounterMetricFamily("turnout_tenant_cost_usd", "Cost of tasks in USD, by capability and tenant.",
                                labels=["capability", "tenant"])  # fmt: skip
-    for capability, tenant, usd in ctrl.runs.store.cost_by_tenant():
+    for capability, tenant, usd in ctrl.cost_by_tenant():
         cost.add_metric([capability, tenant], usd)
     runs = GaugeMetricFamily(
         "turnout_pipeline_runs", "Pipeline runs by pipeline and state.", labels=["pipeline", "state"]
     )
-    for pipeline, state, n in ctrl.runs.store.run_counts():
+    for pipeline, state, n in ctrl.run_counts():
         runs.add_metric([pipeline, state], n)
     yield from (cost, runs)
 
@@ -204,11 +208,18 @@ def _le(bound: float) -> str:
 
 
 def router(service: Service, metrics: Metrics) -> APIRouter:
-    """`GET /metrics`, open to anyone (as /healthz): scrapers carry no token."""
-    api = APIRouter()
+    """`GET /healthz` and `GET /metrics`, open to anyone: probes and scrapers carry no token."""
+    api = APIRouter(route_class=StrictJsonRoute)
 
-    @api.get("/metrics", include_in_schema=False)
+    @api.get("/healthz")
+    async def healthz() -> dict[str, Any]:  # liveness, and the controller's clock (`turnout doctor`: skew)
+        return {"ok": True, "version": __version__, "time": iso(time.time())}
+
     async def scrape() -> Response:
         return Response(await service.read(metrics.render), media_type=CONTENT_TYPE_LATEST)
 
+    # any query string is ignored, as scrapers may add their own (no strict parameter check here)
+    api.add_api_route(
+        "/metrics", scrape, methods=["GET"], include_in_schema=False, route_class_override=APIRoute
+    )
     return api

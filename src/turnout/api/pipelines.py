@@ -10,12 +10,13 @@ GET  /v1/pipelines                        what turnout.yaml configures
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Annotated, Any
 
-from fastapi import APIRouter, FastAPI, Query
+from fastapi import APIRouter, Query
 
 from turnout.access import Action, Principal
+from turnout.api.guards import Guards
 from turnout.api.schemas import GPU_SCHEMA, Strict, check_task_size, device_of, iso
 from turnout.api.service import Service, Signal
 from turnout.api.strictjson import StrictJsonRoute
@@ -23,7 +24,6 @@ from turnout.config import Prices
 from turnout.errors import InvalidInput
 from turnout.models import GpuMode, Task
 from turnout.pipelines import PipelineRun, RunState, run_costs, stage_gpu
-from turnout.profiles import Profile, learned_gpu_memory
 
 
 class RunIn(Strict):
@@ -31,18 +31,11 @@ class RunIn(Strict):
     gpu: Annotated[Any, GPU_SCHEMA] = None  # for stages whose config sets no gpu of their own
 
 
-Need = Callable[[Action], Any]
-Scope = Callable[[Principal], str | None]
-
-
-def install(app: FastAPI, service: Service, need: Need, scope: Scope) -> None:
-    """Add the pipeline routes. A run belongs to the tenant that started it: another tenant's run answers 404,
-    as its tasks do; `scope` is the app's rule for whose runs a caller sees."""
-    app.include_router(router(service, need, scope))
-
-
-def router(service: Service, need: Need, scope: Scope) -> APIRouter:
+def router(service: Service, guards: Guards) -> APIRouter:
+    """The pipeline routes. A run belongs to the tenant that started it: another tenant's run answers 404,
+    as its tasks do."""
     api = APIRouter(route_class=StrictJsonRoute)
+    need = guards.need
     ctrl = service.controller
     runs = ctrl.runs
     limits = ctrl.settings.request_limits
@@ -79,7 +72,7 @@ def router(service: Service, need: Need, scope: Scope) -> APIRouter:
         service.admit_counts(p.home_tenant, 1, int(stage_gpu(first, gpu) is GpuMode.REQUIRE))
         run = await service.call(runs.start, p.home_tenant, name, body.input, gpu)
         service.queue_changed.notify()
-        return await answer(scope(p), run.id, wait)
+        return await answer(p.scope, run.id, wait)
 
     @api.get("/v1/pipeline-runs")
     async def list_runs(
@@ -91,7 +84,7 @@ def router(service: Service, need: Need, scope: Scope) -> APIRouter:
         if state is not None and state not in {s.value for s in RunState}:
             raise InvalidInput(f"state: {state!r} is not a run state ({', '.join(s.value for s in RunState)})",
                                field="state")  # fmt: skip
-        found = await service.read(_list_with_tasks, scope(p), state, limit, cursor)
+        found = await service.read(_list_with_tasks, p.scope, state, limit, cursor)
         return {
             "pipeline_runs": [run_out(run, tasks, ctrl.settings.prices) for run, tasks in found],
             "next_cursor": found[-1][0].id if len(found) == limit else None,
@@ -105,13 +98,13 @@ def router(service: Service, need: Need, scope: Scope) -> APIRouter:
     async def get_run(
         run_id: str, wait: float = Query(0, ge=0, le=3600), p: Principal = need(Action.READ)
     ) -> dict[str, Any]:
-        return await answer(scope(p), run_id, wait)
+        return await answer(p.scope, run_id, wait)
 
     @api.post("/v1/pipeline-runs/{run_id}/cancel")
     async def cancel(run_id: str, p: Principal = need(Action.SUBMIT)) -> dict[str, Any]:
-        await service.call(runs.cancel, scope(p), run_id, by=p.token_id)
+        await service.call(runs.cancel, p.scope, run_id, by=p.token_id)
         service.changed()
-        return await answer(scope(p), run_id, 0)
+        return await answer(p.scope, run_id, 0)
 
     return api
 
@@ -146,15 +139,3 @@ def run_out(run: PipelineRun, tasks: Sequence[Task | None], prices: Prices) -> d
 
 def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 6)
-
-
-def profile_view(
-    capability: str, variants: dict[str, dict[str, Any]], learned: Sequence[Profile]
-) -> dict[str, Any]:
-    """A capability's profiles (what `auto` routes on), and for a GPU variant that declares no gpu_memory, the
-    one learned from its observed peak with headroom (`gpu_memory_learned`, bytes)."""
-    mine = [p for p in learned if p.capability == capability]
-    gpu = variants.get("gpu")
-    if gpu is not None and not gpu["resources"].get("gpu_memory"):
-        gpu["gpu_memory_learned"] = learned_gpu_memory(mine)
-    return {"profiles": [p.to_dict() for p in mine]}

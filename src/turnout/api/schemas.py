@@ -11,20 +11,29 @@ from __future__ import annotations
 import dataclasses
 import json
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 from starlette.responses import Response
 
 from turnout.config import RequestLimits, describe_bytes
+from turnout.controller import LeaseAsk, LeaseResult
 from turnout.errors import InvalidInput, PayloadTooLarge
 from turnout.gpu.devices import GpuDevice, GpuMetrics, MigDevice
-from turnout.models import CAPABILITY_NAME, GpuMode, Lease, Task, TaskSpec, Worker, check_capability_name
+from turnout.models import (
+    CAPABILITY_NAME,
+    Completion,
+    Device,
+    GpuMode,
+    Lease,
+    Task,
+    TaskSpec,
+    Variant,
+    Worker,
+    check_capability_name,
+)
 from turnout.resources import parse_resources
-
-if TYPE_CHECKING:
-    from turnout.controller import LeaseResult
 
 MAX_INT = 2**53  # integers beyond what every JSON reader keeps exact, and beyond SQL's BIGINT
 MAX_INT32 = 2**31 - 1  # SQL INTEGER columns (attempts, event seq): more fails as a parameter in PostgreSQL
@@ -133,6 +142,13 @@ class VariantIn(Strict):
     max_batch_size: int = Field(1, ge=1, le=4096)
     max_batch_wait_ms: float = Field(0.0, ge=0, le=600_000)
 
+    def to_variant(self, prefix: str) -> Variant:
+        check_capability_name(self.capability, f"{prefix}capability")
+        resources = parse_resources(self.resources, f"{prefix}resources")
+        return Variant(
+            self.capability, Device(self.device), resources, self.max_batch_size, self.max_batch_wait_ms
+        )
+
 
 class _Facts(BaseModel):
     """GPU facts and readings a worker reports: the known fields typed, and other keys only where the
@@ -210,6 +226,9 @@ class RegisterIn(Strict):
     heartbeat_s: float | None = Field(None, gt=0, le=300)
     worker_id: str | None = Field(None, min_length=1, max_length=40, pattern=_NO_NUL)
 
+    def to_variants(self) -> list[Variant]:
+        return [v.to_variant(f"variants.{i}.") for i, v in enumerate(self.variants)]
+
 
 class HeartbeatIn(Strict):
     metrics: MetricsIn | None = None
@@ -226,6 +245,10 @@ class LeaseAskIn(Strict):
 
     max_tasks: int = Field(16, ge=0, le=1000)
     running: list[TaskId] = Field(default_factory=list)
+
+    def to_ask(self, tenant: str) -> LeaseAsk:
+        """The ask of a worker that serves `tenant` (its credential's, never the body's)."""
+        return LeaseAsk(self.max_tasks, tuple(self.running), tenant)
 
 
 class LeaseIn(LeaseAskIn):
@@ -245,6 +268,11 @@ class ResultIn(Strict):
     isolation: dict[str, Any] | None = Field(None, max_length=32)
     cold_start_s: float | None = Field(None, ge=0, le=MAX_RUN_S)  # process start and setup it waited for
     usage: UsageIn | None = None
+
+    def to_completion(self) -> Completion:
+        usage = self.usage.model_dump(exclude_none=True) if self.usage else None
+        return Completion(self.task_id, self.attempt, self.status == "succeeded", self.output, self.error,
+                          self.run_s, self.started_at, self.isolation, self.cold_start_s, usage)  # fmt: skip
 
 
 class UsageIn(Strict):
@@ -309,6 +337,21 @@ class TokenIn(Strict):
     role: str
     # default: the caller's own tenant ("default" for the operator); "*" (every tenant) for the operator only
     tenant: str | None = Field(None, min_length=1, max_length=64, pattern=_NO_NUL)
+
+
+def token_out(row: dict[str, Any]) -> dict[str, Any]:
+    """A stored token as `GET /v1/tokens` lists it: never its hash."""
+    return {"id": row["id"], "role": row["role"], "tenant": row["tenant"], "created_at": iso(row["created_at"]),
+            "revoked_at": iso(row["revoked_at"])}  # fmt: skip
+
+
+AUDIT_TIMES = ("start", "end", "last_heartbeat")  # epoch seconds in the record, ISO 8601 on the wire
+
+
+def audit_out(r: dict[str, Any]) -> dict[str, Any]:
+    """An audit record as `GET /v1/audit` answers it: its body's fields, and its envelope's."""
+    body = {k: iso(v) if k in AUDIT_TIMES and isinstance(v, int | float) else v for k, v in r["body"].items()}
+    return {**body, "id": r["id"], "ts": iso(r["ts"]), "kind": r["kind"], "tenant": r["tenant"]}
 
 
 def lease_out(le: Lease) -> dict[str, Any]:

@@ -1,0 +1,168 @@
+"""The worker protocol (README, "Worker protocol"): what a worker agent calls, and only the worker itself.
+
+    POST /v1/workers/register            (worker token) -> 201 {id, heartbeat_s, secret, serves, features}
+    POST /v1/workers/{id}/heartbeat      {metrics?, quarantined?} -> {state, heartbeat_s}
+    POST /v1/workers/{id}/lease          {max_tasks, running, wait_s} long poll -> {tasks, cancel, backlog}
+    POST /v1/workers/{id}/complete       {results, lease?} -> {accepted, refused} (and with lease: the next work)
+    POST /v1/workers/{id}/events         {events: [{task_id, attempt, event}]} -> {stored}
+    POST /v1/workers/{id}/scrubs         GPU scrubs it ran between tenants -> {stored}
+    POST /v1/workers/{id}/leave          -> {ok}
+    GET  /v1/workers/{id}/lifeline       held open while the worker lives (api/lifeline.py)
+
+Every route but register proves the caller is the worker in the path: its registering token and the
+`X-Worker-Secret` that register answered (another worker's routes answer 403).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Header, Request
+
+from turnout.access import Action, Principal, worker_serves
+from turnout.api.guards import Guards
+from turnout.api.metrics import Metrics
+from turnout.api.schemas import (
+    EVENTS_BODY,
+    WORKER_FEATURES,
+    CompleteIn,
+    FastJSON,
+    HeartbeatIn,
+    LeaseIn,
+    RegisterIn,
+    ScrubsIn,
+    leases_out,
+    parse_events,
+)
+from turnout.api.service import Service, Signal
+from turnout.api.strictjson import StrictJsonRoute, json_body
+from turnout.auth import WorkerCredential
+from turnout.controller import LeaseResult, new_id
+from turnout.errors import InvalidInput
+from turnout.models import Worker
+
+
+def router(service: Service, guards: Guards, metrics: Metrics) -> APIRouter:
+    api = APIRouter(route_class=StrictJsonRoute)
+    ctrl = service.controller
+    limits = ctrl.settings.request_limits
+    this_worker = guards.this_worker
+
+    @api.post("/v1/workers/register", status_code=201)
+    async def register(
+        body: RegisterIn,
+        p: Principal = guards.need(Action.WORKER),
+        x_worker_secret: str | None = Header(
+            None, description="registering again: the secret answered before"
+        ),
+    ) -> dict[str, Any]:
+        variants = body.to_variants()
+
+        def run() -> tuple[Worker, str, str]:
+            cred, secret = service.workers.claim(p, body.worker_id or new_id("w_"), x_worker_secret)
+            worker = ctrl.register_worker(
+                name=body.name, host=body.host, variants=variants, cpu=body.cpu, memory_bytes=body.memory,
+                gpus=[g.model_dump() for g in body.gpus], strategy=body.strategy, heartbeat_s=body.heartbeat_s,
+                worker_id=cred.worker_id, tenant=cred.tenant,
+            )  # fmt: skip
+            return worker, secret, cred.tenant
+
+        worker, secret, serves = await service.call(run)
+        service.registered(worker)
+        service.changed()
+        return {"id": worker.id, "heartbeat_s": worker.heartbeat_s, "secret": secret, "serves": serves,
+                "features": list(WORKER_FEATURES)}  # fmt: skip
+
+    @api.post("/v1/workers/{worker_id}/heartbeat")
+    async def heartbeat(
+        worker_id: str, body: HeartbeatIn, me: WorkerCredential = this_worker()
+    ) -> dict[str, Any]:
+        # counted as it arrives, and answered without waiting behind slow writes (see Service.heartbeat)
+        state, heartbeat_s = await service.heartbeat(
+            worker_id,
+            metrics=body.metrics.model_dump() if body.metrics else None,
+            quarantined=body.quarantined,
+        )
+        return {"state": state, "heartbeat_s": heartbeat_s}
+
+    def leased(result: LeaseResult) -> None:
+        """Tasks went to a worker (by a lease poll or a completion's lease): their watchers and metrics hear."""
+        if result.leases:
+            service.tasks_changed.notify()
+            metrics.observe_leases(result.leases)
+
+    @api.post("/v1/workers/{worker_id}/lease", response_class=FastJSON)
+    async def lease(worker_id: str, body: LeaseIn, me: WorkerCredential = this_worker()) -> FastJSON:
+        listed_at = ctrl.clock()  # `running` is as of now, however long the poll waits
+        deadline = time.monotonic() + min(body.wait_s, ctrl.settings.max_lease_wait_s)
+        running = list(body.running)
+        mine = service.worker_signal(worker_id)
+        while True:
+            queue, stops, capacity = (
+                service.queue_changed.current(),
+                service.changes.current(),
+                mine.current(),
+            )
+            result = await service.call(ctrl.lease, worker_id, max_tasks=body.max_tasks, running=running,
+                                        tenant=me.tenant, listed_at=listed_at)  # fmt: skip
+            running = [tid for tid in running if tid not in set(result.cancel)]
+            left = deadline - time.monotonic()
+            if result.leases or result.cancel or left <= 0 or service.closing.is_set():
+                leased(result)
+                return FastJSON(leases_out(result))
+            # a full worker waits for its own capacity (or a cancel, a timeout, a fleet change), not for every new
+            # task: under a flood of submissions that would re-run its lease for nothing, hundreds of times a second
+            wake = [stops, capacity] if result.full else [queue, capacity]
+            # a batch still filling is leased once full or its wait is over: ask again by then (retry_in_s)
+            with service.parked(worker_id, full=result.full):
+                await Signal.wait_any([*wake, service.closing],
+                                      min(left, service.recheck_s, result.retry_in_s or service.recheck_s))  # fmt: skip
+
+    @api.post("/v1/workers/{worker_id}/complete", response_class=FastJSON)
+    async def complete(worker_id: str, body: CompleteIn, me: WorkerCredential = this_worker()) -> FastJSON:
+        """Results, and (with `lease`) the next work for the room they free: one exchange, one commit."""
+        completions = [r.to_completion() for r in body.results]
+        ask = body.lease.to_ask(me.tenant) if body.lease else None
+        done = await service.call(ctrl.exchange, worker_id, completions, ask)
+        answer: dict[str, Any] = {"accepted": done.accepted, "refused": done.refused}
+        if done.accepted:
+            service.capacity_freed(worker_id, done.lease)  # its capacity is free again; other workers' is not
+            service.tasks_changed.notify()
+        if done.lease is not None:
+            leased(done.lease)
+            answer.update(leases_out(done.lease))
+        taken = {le.task.id for le in done.lease.leases} if done.lease else set()
+        retried = bool(done.accepted) and any(not c.succeeded for c in completions)
+        if retried or any(tid not in taken for tid in done.queued):
+            service.queue_changed.notify()  # a retry or a pipeline's next stage is queued, for anyone
+        return FastJSON(answer)
+
+    @api.post("/v1/workers/{worker_id}/scrubs")
+    async def scrubs(worker_id: str, body: ScrubsIn, me: WorkerCredential = this_worker()) -> dict[str, Any]:
+        for i, scrub in enumerate(body.scrubs):  # a tenant's own worker hands GPUs over between its own tasks
+            for name in ("tenant", "previous_tenant"):
+                value = getattr(scrub, name)
+                if value is not None and not worker_serves(me.tenant, value):
+                    raise InvalidInput(f"scrubs.{i}.{name}: worker {worker_id} serves tenant {me.tenant} only",
+                                       field=f"scrubs.{i}.{name}")  # fmt: skip
+        stored = await service.call(ctrl.record_scrubs, worker_id, [s.model_dump() for s in body.scrubs])
+        return {"stored": stored}
+
+    @api.post("/v1/workers/{worker_id}/events", openapi_extra=EVENTS_BODY, response_class=FastJSON)
+    async def worker_events(
+        worker_id: str, request: Request, me: WorkerCredential = this_worker()
+    ) -> FastJSON:
+        items = parse_events(await json_body(request), limits)
+        last = await service.call(ctrl.append_events, worker_id, items)
+        if last:
+            service.events_added.notify()
+        return FastJSON({"stored": sum(1 for _ in items) if last else 0})
+
+    @api.post("/v1/workers/{worker_id}/leave")
+    async def leave(worker_id: str, me: WorkerCredential = this_worker()) -> dict[str, Any]:
+        await service.call(ctrl.deregister, worker_id)
+        service.changed()
+        return {"ok": True}
+
+    return api

@@ -1,0 +1,176 @@
+"""Task routes: submit (one or a batch), read, wait for a result, list, cancel, and stream events.
+
+    POST /v1/tasks                      (submit) one task -> 201 the task
+    POST /v1/tasks/batch                (submit) {"tasks": [...]} -> 201 {"tasks": [...]} in the order sent
+    GET  /v1/tasks?state=&capability=&limit=&cursor=   (read) newest first
+    GET  /v1/tasks/{id}                 (read)
+    GET  /v1/tasks/{id}/result?wait=S   (read) the task once terminal, or after S s
+    POST /v1/tasks/{id}/cancel          (submit)
+    GET  /v1/tasks/{id}/events          (read) Server-Sent Events; `Last-Event-ID` or `?after=N` resumes
+
+A tenant sees only its own tasks: another tenant's id answers 404, as a missing one does.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Header, Query, Request
+from fastapi.responses import StreamingResponse
+
+from turnout.access import Action, Principal
+from turnout.api.guards import Guards
+from turnout.api.schemas import MAX_INT32, FastJSON, TaskBatchIn, TaskIn, iso, task_out
+from turnout.api.service import Service, Signal
+from turnout.api.strictjson import StrictJsonRoute
+from turnout.errors import InvalidInput
+from turnout.models import Task, TaskState
+
+EVENTS_PER_READ = 5000
+
+# A batch of events shares one timestamp: format it once, not once per event.
+iso_cached = functools.lru_cache(maxsize=256)(iso)
+
+
+def router(service: Service, guards: Guards) -> APIRouter:
+    api = APIRouter(route_class=StrictJsonRoute)
+    ctrl = service.controller
+    limits = ctrl.settings.request_limits
+    need = guards.need
+
+    @api.post("/v1/tasks", status_code=201, response_class=FastJSON)
+    async def submit(body: TaskIn, p: Principal = need(Action.SUBMIT)) -> FastJSON:
+        specs = [body.to_spec(limits)]
+        service.admit(p.home_tenant, specs)  # a 429 before the database: a flood costs the others nothing
+        tasks = await service.call(ctrl.submit, p.home_tenant, specs,
+                                   waits_for_capacity=[body.waits_for_capacity])  # fmt: skip
+        service.queue_changed.notify()
+        return FastJSON(task_out(tasks[0]), status_code=201)
+
+    @api.post("/v1/tasks/batch", status_code=201, response_class=FastJSON)
+    async def submit_batch(body: TaskBatchIn, p: Principal = need(Action.SUBMIT)) -> FastJSON:
+        specs = body.to_specs(limits)
+        service.admit(p.home_tenant, specs)
+        tasks = await service.call(ctrl.submit, p.home_tenant, specs,
+                                   prefixes=[f"tasks.{i}." for i in range(len(body.tasks))],
+                                   waits_for_capacity=[t.waits_for_capacity for t in body.tasks])  # fmt: skip
+        service.queue_changed.notify()
+        return FastJSON({"tasks": [task_out(t) for t in tasks]}, status_code=201)
+
+    @api.get("/v1/tasks")
+    async def list_tasks(
+        state: str | None = None,
+        capability: str | None = None,
+        limit: int = Query(50, ge=1, le=1000),
+        cursor: str | None = None,
+        p: Principal = need(Action.READ),
+    ) -> dict[str, Any]:
+        if state is not None and state not in {s.value for s in TaskState}:
+            raise InvalidInput(f"state: {state!r} is not a task state", field="state")
+        tasks = await service.read(ctrl.list_tasks, p.scope, state=state, capability=capability, limit=limit,
+                                   cursor=cursor)  # fmt: skip
+        return {
+            "tasks": [task_out(t) for t in tasks],
+            "next_cursor": tasks[-1].id if len(tasks) == limit else None,
+        }
+
+    @api.get("/v1/tasks/{task_id}", response_class=FastJSON)
+    async def get_task(task_id: str, p: Principal = need(Action.READ)) -> FastJSON:
+        return FastJSON(task_out(await service.read(ctrl.get_task, p.scope, task_id)))
+
+    @api.get("/v1/tasks/{task_id}/result", response_class=FastJSON)
+    async def get_result(
+        task_id: str, wait: float = Query(0, ge=0, le=3600), p: Principal = need(Action.READ)
+    ) -> FastJSON:
+        deadline = time.monotonic() + wait
+        while True:
+            signal = service.tasks_changed.current()
+            task = await service.read(ctrl.get_task, p.scope, task_id)
+            left = deadline - time.monotonic()
+            if task.state.terminal or left <= 0:
+                return FastJSON(task_out(task))
+            await Signal.wait(signal, min(left, service.recheck_s))
+
+    @api.post("/v1/tasks/{task_id}/cancel")
+    async def cancel(task_id: str, p: Principal = need(Action.SUBMIT)) -> dict[str, Any]:
+        task = await service.call(ctrl.cancel, p.scope, task_id, by=p.token_id)
+        service.changed()
+        return task_out(task)
+
+    @api.get("/v1/tasks/{task_id}/events")
+    async def events(
+        request: Request,
+        task_id: str,
+        after: int = Query(0, ge=0, le=MAX_INT32),
+        last_event_id: str | None = Header(None),
+        p: Principal = need(Action.READ),
+    ) -> StreamingResponse:
+        await service.read(ctrl.get_task, p.scope, task_id)  # 404 before the stream starts
+        start = max(after, _resume_from(last_event_id))
+        return StreamingResponse(
+            _stream(service, request, task_id, start),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+
+    return api
+
+
+def _resume_from(last_event_id: str | None) -> int:
+    """The seq a reconnecting browser last saw (`Last-Event-ID`), 0 for none; anything else is a 422."""
+    if not last_event_id:
+        return 0
+    digits = last_event_id.isascii() and last_event_id.isdigit() and len(last_event_id) <= 10
+    if not digits or int(last_event_id) > MAX_INT32:
+        raise InvalidInput(
+            "Last-Event-ID: expected the seq number of the last event seen", field="Last-Event-ID"
+        )
+    return int(last_event_id)
+
+
+async def _stream(service: Service, request: Request, task_id: str, start: int) -> AsyncIterator[bytes]:
+    """The task's events after `start`, as they are stored, ending with its `finish`."""
+    ctrl = service.controller
+    seen = start
+    while True:
+        signal = service.events_added.current()
+        batch = await service.read(ctrl.events, task_id, seen, EVENTS_PER_READ)
+        frames = []  # one write per batch: a chatty task costs the event loop little per event
+        for seq, ts, body in batch:
+            seen = seq
+            frames.append(_frame(seq, ts, body))
+            if body.get("event") == "finish":
+                yield b"".join(frames)
+                return
+        if batch:
+            yield b"".join(frames)
+            continue
+        task = await service.read(ctrl.get_task, None, task_id)
+        if task.state.terminal:
+            # Python handlers' results arrive as the task's completion, not as stored events: the
+            # stream ends with a `finish` made from the task record, at the next seq, every time alike.
+            if await service.read(ctrl.events, task_id, seen, 1):
+                continue
+            last = await service.read(ctrl.last_event_seq, task_id)
+            if seen <= last:
+                yield _frame(last + 1, task.finished_at, finish_event(task))
+            return
+        if await request.is_disconnected():
+            return
+        await Signal.wait(signal, service.recheck_s)
+
+
+def _frame(seq: int, ts: float | None, body: dict[str, Any]) -> bytes:
+    payload = {**body, "seq": seq, "ts": iso_cached(ts)}
+    return f"id: {seq}\nevent: {body.get('event', 'message')}\ndata: {json.dumps(payload)}\n\n".encode()
+
+
+def finish_event(task: Task) -> dict[str, Any]:
+    """The `finish` event a terminal task's stream ends with, made from its record."""
+    if task.state is TaskState.SUCCEEDED:
+        return {"event": "finish", "status": "completed", "output": task.output}
+    return {"event": "finish", "status": "failed", "state": task.state.value, "error": task.error}
