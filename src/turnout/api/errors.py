@@ -17,11 +17,9 @@ from turnout.store.sql import is_storage_failure
 
 log = logging.getLogger("turnout.api")
 
-STATUS = HTTP_STATUS
-
 
 def error_response(exc: TurnoutError) -> JSONResponse:
-    status = next((code for cls, code in STATUS.items() if isinstance(exc, cls)), 500)
+    status = next((code for cls, code in HTTP_STATUS.items() if isinstance(exc, cls)), 500)
     retry_after_s = exc.retry_after_s if isinstance(exc, RateLimited | StorageUnavailable) else None
     # whole seconds, never less than the wait (HTTP allows no fraction); a 429's body says it exactly
     headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))} if retry_after_s is not None else None

@@ -448,8 +448,3 @@ def worker_out(w: Worker, active: int = 0) -> dict[str, Any]:
 def field_of(loc: tuple[Any, ...]) -> str:
     parts = [str(p) for p in loc if p not in ("body", "query", "path")]
     return ".".join(parts)
-
-
-def require(cond: bool, message: str, field: str) -> None:
-    if not cond:
-        raise InvalidInput(message, field=field)
