@@ -379,7 +379,7 @@ def create_app(service: Service) -> FastAPI:
                 service.changes.current(),
                 mine.current(),
             )
-            result = await service.call(ctrl.lease, worker_id, max_tasks=body.max_tasks, running=running,
+            result = await service.call(ctrl.offer, worker_id, max_tasks=body.max_tasks, running=running,
                                         tenant=me.tenant, listed_at=listed_at)  # fmt: skip
             running = [tid for tid in running if tid not in set(result.cancel)]
             left = deadline - time.monotonic()
@@ -409,6 +409,7 @@ def create_app(service: Service) -> FastAPI:
                 r.isolation,
                 r.cold_start_s,
                 r.usage.model_dump(exclude_none=True) if r.usage else None,
+                r.chain,
             )
             for r in body.results
         ]
@@ -416,6 +417,8 @@ def create_app(service: Service) -> FastAPI:
         done = await service.call(ctrl.exchange, worker_id, completions,
                                   LeaseAsk(ask.max_tasks, tuple(ask.running), me.tenant) if ask else None)  # fmt: skip
         answer: dict[str, Any] = {"accepted": done.accepted, "refused": done.refused}
+        if done.chains.claimed:  # which of the stages the worker started may go on (the others it stops)
+            answer.update(chained=done.chains.accepted, unchained=done.chains.refused)
         if done.accepted:
             service.capacity_freed(worker_id, done.lease)  # its capacity is free again; other workers' is not
             service.tasks_changed.notify()

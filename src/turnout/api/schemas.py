@@ -218,7 +218,8 @@ class HeartbeatIn(Strict):
 
 # What this controller's worker protocol offers beyond the first version, named in the register answer so a
 # worker uses only what its controller understands: "complete_lease": `complete` may carry `lease`.
-WORKER_FEATURES = ("complete_lease",)
+# what this controller takes beyond the base protocol: a lease riding on a completion, chained pipeline stages
+WORKER_FEATURES = ("complete_lease", "chain")
 
 
 class LeaseAskIn(Strict):
@@ -245,6 +246,7 @@ class ResultIn(Strict):
     isolation: dict[str, Any] | None = Field(None, max_length=32)
     cold_start_s: float | None = Field(None, ge=0, le=MAX_RUN_S)  # process start and setup it waited for
     usage: UsageIn | None = None
+    chain: TaskId | None = None  # the next pipeline stage's task, started here at once (runs.py, chained stages)
 
 
 class UsageIn(Strict):
@@ -316,7 +318,9 @@ def lease_out(le: Lease) -> dict[str, Any]:
     t = le.task
     return {"id": t.id, "attempt": t.attempts, "capability": t.spec.capability, "device": le.device.value,
             "input": t.spec.input, "resources": le.resources.to_dict(), "gpus": le.grant, "timeout_s": t.spec.timeout_s,
-            "labels": t.spec.labels, "tenant": t.tenant, "routing": t.routing, "batch": le.batch}  # fmt: skip
+            "labels": t.spec.labels, "tenant": t.tenant, "routing": t.routing, "batch": le.batch,
+            "chain": [{"stage": c.stage, "capability": c.capability, "timeout_s": c.timeout_s, "labels": c.labels}
+                      for c in le.chain]}  # fmt: skip
 
 
 def leases_out(result: LeaseResult) -> dict[str, Any]:
