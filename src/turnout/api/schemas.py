@@ -246,7 +246,9 @@ class ResultIn(Strict):
     isolation: dict[str, Any] | None = Field(None, max_length=32)
     cold_start_s: float | None = Field(None, ge=0, le=MAX_RUN_S)  # process start and setup it waited for
     usage: UsageIn | None = None
-    chain: TaskId | None = None  # the next pipeline stage's task, started here at once (runs.py, chained stages)
+    chain: TaskId | None = (
+        None  # the next pipeline stage's task, started here at once (runs.py, chained stages)
+    )
 
 
 class UsageIn(Strict):
