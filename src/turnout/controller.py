@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import difflib
 import logging
-import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -39,8 +38,10 @@ from turnout.models import (
     Variant,
     Worker,
     WorkerState,
+    new_id,
 )
 from turnout.routing import ClusterView, Route, WorkerOffer, route, servable
+from turnout.runs import Chains
 from turnout.store import Store
 from turnout.store.files import FileRecord
 from turnout.store.replicas import hold_worker
@@ -82,11 +83,6 @@ QUEUED_TENANTS_CACHE_S = (
 Change = tuple[str, Sequence[TaskState], "int | None", dict[str, Any]]  # see SqlStore.update_tasks
 
 
-def new_id(prefix: str) -> str:
-    """Time-ordered ids: listing newest first is ordering by id."""
-    return f"{prefix}{int(time.time() * 1000):012x}{secrets.token_hex(6)}"
-
-
 @dataclass(frozen=True)
 class LeaseResult:
     leases: list[Lease] = field(default_factory=list)
@@ -116,6 +112,16 @@ class Exchange:
     refused: list[str]
     queued: Sequence[str]  # tasks queued by these results (pipelines' next stages)
     lease: LeaseResult | None = None  # None: the worker asked for no work
+    chains: Chains = field(default_factory=Chains)  # the next stages these results said were started
+
+
+@dataclass(frozen=True)
+class Settled:
+    """What became of a worker's results: accepted or refused, and the chained stages they named."""
+
+    accepted: list[str]
+    refused: list[str]
+    chains: Chains
 
 
 @dataclass(frozen=True)
@@ -735,28 +741,66 @@ class Controller:
         at most QUEUED_TENANTS_CACHE_S ago; what it queues itself it knows at once) the lease is not tried: the
         results' commit waits for no queries that would find nothing, and the worker's long poll, which waits
         for new tasks whenever it has room, takes what comes next."""
-        accepted, refused = self.complete(worker_id, completions)
+        settled = self.settle(worker_id, completions)
+        accepted, refused = settled.accepted, settled.refused
         queued = self.runs.take_queued()
         if ask is None:
-            return Exchange(accepted, refused, queued)
+            return Exchange(accepted, refused, queued, chains=settled.chains)
         if not self._tenants_queued():
-            return Exchange(accepted, refused, queued, LeaseResult())
+            return Exchange(accepted, refused, queued, LeaseResult(), settled.chains)
         done = set(accepted)
         running = [tid for tid in ask.running if tid not in done]
         try:
-            got = self.lease(worker_id, max_tasks=ask.max_tasks, running=running, tenant=ask.tenant)
+            got = self.offer(worker_id, max_tasks=ask.max_tasks, running=running, tenant=ask.tenant)
         except NotFound:  # it left (or was never here): its verdicts stand, and it gets no work
             got = LeaseResult()
-        return Exchange(accepted, refused, queued, got)
+        return Exchange(accepted, refused, queued, got, settled.chains)
+
+    def offer(self, worker_id: str, **ask: Any) -> LeaseResult:
+        """`lease`, with each pipeline stage's lease telling the stages that may run right after it there."""
+        got = self.lease(worker_id, **ask)
+        if not any(le.task.pipeline_run_id for le in got.leases):
+            return got
+        return replace(got, leases=list(self.runs.chain_hints(self._worker(worker_id), got.leases)))
 
     def complete(self, worker_id: str, completions: Sequence[Completion]) -> tuple[list[str], list[str]]:
-        """Commit results; returns (accepted, refused). Only the current attempt's report counts.
+        """Commit results; returns (accepted, refused). See `settle`."""
+        settled = self.settle(worker_id, completions)
+        return settled.accepted, settled.refused
+
+    def settle(self, worker_id: str, completions: Sequence[Completion]) -> Settled:
+        """Commit results. Only the current attempt's report counts.
 
         Idempotent: the same report sent again (its answer was lost on the way, and the worker re-sent it
-        after reconnecting) is accepted again, changing nothing.
+        after reconnecting) is accepted again, changing nothing. A result may name the next pipeline stage its
+        worker already started (`Completion.chain`): that stage's task is created leased to the worker, or the
+        chain is refused (runs.py); a later result in the same report may be that stage's own, so results whose
+        task does not exist yet are settled after the chains before them.
         """
+        chains = Chains()
+        accepted: list[str] = []
+        ended: list[Task] = []
+        left = list(completions)
+        while left:
+            chained_before = len(chains.accepted)
+            done, left = self._settle_round(worker_id, left, chains, ended)
+            accepted += done
+            if len(chains.accepted) == chained_before:
+                break  # what is left names tasks that do not exist (or not here): refused
+        self._learn(ended, {c.task_id: c for c in completions}, self.clock())
+        finished = set(accepted)
+        refused = [c.task_id for c in completions if c.task_id not in finished]
+        return Settled(accepted, refused, chains)
+
+    def _settle_round(
+        self, worker_id: str, completions: Sequence[Completion], chains: Chains, ended_so_far: list[Task]
+    ) -> tuple[list[str], list[Completion]]:
+        """Settle the results whose tasks exist; returns what was accepted and the results whose tasks do not
+        exist (yet: a chain this round accepted may have created them)."""
         now = self.clock()
-        tasks = {t.id: t for t in self.store.get_tasks(c.task_id for c in completions)}
+        known = {c.task_id: chains.created[c.task_id] for c in completions if c.task_id in chains.created}
+        fetched = self.store.get_tasks(c.task_id for c in completions if c.task_id not in known)
+        tasks = {**known, **{t.id: t for t in fetched}}
         updates = []
         finished: list[Task] = []
         requeue: list[tuple[Task, dict[str, Any]]] = []
@@ -765,6 +809,10 @@ class Controller:
             t = tasks.get(c.task_id)
             if t is not None and _already_committed(t, worker_id, c):
                 repeated.append(t.id)
+                if c.chain:  # its answer was lost: say again whether the stage after it was chained
+                    chains.claimed[t.id] = c.chain
+                    if any(k.worker_id == worker_id for k in self.store.get_tasks([c.chain])):
+                        chains.accepted.append(c.chain)
                 continue
             if (
                 t is None
@@ -781,6 +829,10 @@ class Controller:
                                       "cold_start_s": c.cold_start_s, "usage": c.usage}  # fmt: skip
             if c.succeeded:
                 values.update(state=TaskState.SUCCEEDED, output=c.output, error=None)
+                if c.chain and t.pipeline_run_id:
+                    chains.claimed[t.id] = c.chain
+                    if started is not None and run_s is not None:  # it ended, and the next began, then
+                        chains.started_at[c.chain] = started + run_s
             else:
                 error = dict(c.error or {"type": "error", "message": "failed"})
                 if error.get("type") in RETRYABLE_ERRORS and t.attempts <= t.spec.max_retries:
@@ -791,14 +843,17 @@ class Controller:
             finished.append(t)
         accepted = self.store.update_tasks(updates)
         ended = [t for t in finished if t.id in set(accepted)]
+        for t in finished:
+            if t.id not in set(accepted):
+                chains.claimed.pop(t.id, None)  # its result lost a race: the stage after it is not chained
         self._audit_releases(ended, now)  # before the re-queue's: a batch's last change releases its grant
         accepted += self._requeue(requeue, now)
         accepted += repeated
-        done = set(accepted)
-        self._learn(ended, {c.task_id: c for c in completions}, now)
-        if any(t.pipeline_run_id for t in ended):
-            self.runs.advance([t.id for t in ended if t.pipeline_run_id])  # the next stage, in this commit
-        return accepted, [c.task_id for c in completions if c.task_id not in done]
+        ended_so_far += ended
+        run_ids = {t.pipeline_run_id for t in ended if t.pipeline_run_id}
+        if run_ids:  # the next stage, in this commit
+            self.runs.advance_runs(run_ids, chains)
+        return accepted, [c for c in completions if c.task_id not in tasks]
 
     def _learn(self, ended: Sequence[Task], by_id: Mapping[str, Completion], now: float) -> None:
         """Fold each success into its (capability, device class, GPU model) profile, for `gpu: auto`: one

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import enum
 import re
+import secrets
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +17,15 @@ from turnout.errors import InvalidInput
 from turnout.resources import Resources
 
 CAPABILITY_NAME = re.compile(r"^[a-z][a-z0-9_.-]{0,63}$")
+TASK_ID = re.compile(
+    r"^t_[0-9a-f]{24}$"
+)  # what `new_id("t_")` makes: a worker naming a chained stage must match it
+
+
+def new_id(prefix: str) -> str:
+    """Time-ordered ids: listing newest first is ordering by id. Workers make the ids of the pipeline stages
+    they chain (`Completion.chain`), so this lives here, below both the controller and the worker."""
+    return f"{prefix}{int(time.time() * 1000):012x}{secrets.token_hex(6)}"
 
 
 def check_capability_name(name: Any, field_name: str = "capability") -> str:
@@ -189,6 +200,18 @@ class Lease:
     resources: Resources
     grant: dict[str, Any] | None
     batch: str | None = None  # the leader's task id, for every task leased in a batch (batching.py)
+    chain: tuple[ChainStep, ...] = ()  # the pipeline stages after this one that may run right after it, here
+
+
+@dataclass(frozen=True)
+class ChainStep:
+    """A pipeline stage a worker may start as soon as the stage before it succeeds there, without waiting for
+    the controller (runs.py, "chained stages"): what the worker needs to run it before its task exists."""
+
+    stage: int
+    capability: str
+    timeout_s: float | None
+    labels: dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -205,3 +228,4 @@ class Completion:
     isolation: dict[str, Any] | None = None  # e.g. {"pdeathsig": true, "mode": "sandbox", ...}
     cold_start_s: float | None = None  # process start and setup this attempt waited for
     usage: dict[str, Any] | None = None  # peak_rss_bytes, peak_gpu_memory_bytes, batch_size
+    chain: str | None = None  # the id of the next pipeline stage's task, which this worker started at once

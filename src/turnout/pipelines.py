@@ -17,7 +17,8 @@ from typing import Any
 
 from turnout.config import Prices
 from turnout.errors import InvalidInput
-from turnout.models import GpuMode, Task, TaskState, check_capability_name
+from turnout.models import Device, GpuMode, Task, TaskState, check_capability_name
+from turnout.routing import ClusterView, Route, WorkerOffer, route
 
 STAGE_KEYS = ("capability", "gpu", "timeout_s", "retries", "gpu_wait_s", "placement_timeout_s")
 PIPELINE_KEYS = ("stages",)
@@ -139,6 +140,19 @@ def stage_input(run_input: Mapping[str, Any], outputs: Sequence[tuple[str, Any]]
 def stage_gpu(stage: Stage, run_gpu: GpuMode | None) -> GpuMode:
     """A stage's own gpu wins; the run's applies to stages that set none; else auto."""
     return stage.gpu or run_gpu or GpuMode.AUTO
+
+
+def chain_route(mode: GpuMode, gpu_wait_s: float, cpu_fits: bool, cluster: ClusterView) -> Route | None:
+    """Whether a stage may start on the worker that ran the stage before it, at once and on its CPU variant,
+    instead of being queued: only where routing would send it to a CPU whatever else is queued or free
+    (`never`; `prefer` or `auto` when no healthy worker could ever run its GPU variant, or `gpu_wait_s` is 0).
+    `auto` with a GPU possible anywhere is never chained: its choice weighs the queues, which are not here.
+    `cpu_fits`: the worker offers the CPU variant and has room for it once the stage before it ended."""
+    if mode is GpuMode.AUTO and cluster.gpu_possible:
+        return None
+    offer = WorkerOffer(cpu_variant=cpu_fits, gpu_variant=False, cpu_fits=cpu_fits, gpu_fits=False)
+    decided = route(mode, 0.0, gpu_wait_s, offer, cluster)
+    return decided if decided is not None and decided.device is Device.CPU else None
 
 
 @dataclass(frozen=True)

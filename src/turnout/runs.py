@@ -5,23 +5,72 @@ result, so the next stage is queued in that commit, with no client round trip be
 `sweep` catches stages that ended any other way (timed out, lost their worker for good, cancelled, never
 placeable) and runs whose controller died between commits: a run survives a controller restart because its
 state is only ever what the database says.
+
+Chained stages: a stage's lease lists the stages after it that may start on the same worker the moment it
+succeeds there (`chain_hints`: only stages that routing sends to a CPU whatever else is queued, see
+`pipelines.chain_route`). The worker starts such a stage at once, before its task exists, under an id it makes,
+and the result of the stage before names it (`Completion.chain`). In the commit that records that result,
+`advance` creates the named task already leased to that worker, after checking again what the hint assumed
+(the run still going, the worker healthy with room, the route unchanged); or it queues the stage as usual and
+the worker, told the chain was refused, stops what it started. Consecutive stages thus cost one local hand-off
+each instead of a round trip to the controller and a commit before each starts, and nothing is recorded that
+the controller did not decide: a chained stage's task, events and result exist only once its chain is accepted.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from turnout import placement
 from turnout.errors import Conflict, InvalidInput, NotFound
-from turnout.models import GpuMode, Task, TaskSpec, TaskState
-from turnout.pipelines import Pipeline, PipelineRun, RunState, Stage, next_step, stage_gpu, stage_input
+from turnout.models import (
+    TASK_ID,
+    ChainStep,
+    Device,
+    GpuMode,
+    Lease,
+    Task,
+    TaskSpec,
+    TaskState,
+    Worker,
+    WorkerState,
+    new_id,
+)
+from turnout.pipelines import (
+    Pipeline,
+    PipelineRun,
+    RunState,
+    Stage,
+    chain_route,
+    next_step,
+    stage_gpu,
+    stage_input,
+)
+from turnout.routing import Route
 from turnout.store.base import RunRecords
 
 if TYPE_CHECKING:
     from turnout.controller import Controller
 
 MAX_NOTED = 1024  # stage tasks `take_queued` remembers between calls (sweeps may queue many with no call)
+
+
+@dataclass
+class Chains:
+    """What became of the chained stages a worker's results named (`advance`)."""
+
+    claimed: dict[str, str] = field(default_factory=dict)  # stage task id -> the next stage's id it started
+    started_at: dict[str, float] = field(
+        default_factory=dict
+    )  # next stage's id -> its start (worker's clock)
+    created: dict[str, Task] = field(default_factory=dict)  # the accepted ones' tasks, as inserted
+    accepted: list[str] = field(default_factory=list)  # created, leased to that worker
+
+    @property
+    def refused(self) -> list[str]:
+        return [child for child in self.claimed.values() if child not in set(self.accepted)]
 
 
 class PipelineRuns:
@@ -49,8 +98,6 @@ class PipelineRuns:
                                field="input")  # fmt: skip
         for i, stage in enumerate(pipeline.stages):
             self.ctrl._check_known(stage.capability, f"pipelines.{name}.stages.{i}.capability", tenant)
-        from turnout.controller import new_id
-
         now = self.ctrl.clock()
         run = PipelineRun(id=new_id("r_"), tenant=tenant, pipeline=name, state=RunState.RUNNING,
                           input=dict(run_input), gpu=gpu, stages=pipeline.stages, task_ids=(), created_at=now)  # fmt: skip
@@ -68,8 +115,6 @@ class PipelineRuns:
             self.stages_queued.append(task.id)
 
     def _stage_task(self, run: PipelineRun, index: int, done: list[Task], now: float) -> Task:
-        from turnout.controller import new_id
-
         stage: Stage = run.stages[index]
         data = stage_input(run.input, [(run.stages[i].capability, t.output) for i, t in enumerate(done)])
         spec = TaskSpec(capability=stage.capability, input=data, gpu=stage_gpu(stage, run.gpu),
@@ -117,8 +162,15 @@ class PipelineRuns:
     def advance(self, task_ids: Iterable[str]) -> int:
         """Move on the runs of these tasks (which just changed state); returns how many runs changed."""
         run_ids = {t.pipeline_run_id for t in self.ctrl.store.get_tasks(list(task_ids)) if t.pipeline_run_id}
+        return self.advance_runs(run_ids)
+
+    def advance_runs(self, run_ids: Iterable[str], chains: Chains | None = None) -> int:
+        """Move on these runs (a stage of each just ended); returns how many changed. `chains`: the next
+        stages the workers already started after some of them (see the module docstring)."""
         return sum(
-            self._advance(run) for run in self.store.get_runs(sorted(run_ids)) if not run.state.terminal
+            self._advance(run, chains)
+            for run in self.store.get_runs(sorted(run_ids))
+            if not run.state.terminal
         )
 
     def sweep(self) -> bool:
@@ -130,7 +182,7 @@ class PipelineRuns:
         queued, self.stages_queued = self.stages_queued, []
         return queued
 
-    def _advance(self, run: PipelineRun) -> bool:
+    def _advance(self, run: PipelineRun, chains: Chains | None = None) -> bool:
         tasks = self.ctrl.store.get_tasks(run.task_ids)
         by_id = {t.id: t for t in tasks}
         started = [by_id[tid] for tid in run.task_ids if tid in by_id]
@@ -140,9 +192,22 @@ class PipelineRuns:
         now = self.ctrl.clock()
         if step.next_stage is not None:
             task = self._stage_task(run, step.next_stage, started, now)
+            child = chains.claimed.get(started[-1].id) if chains else None
+            since = (
+                min(now, max(started[-1].created_at, chains.started_at.get(child, now)))
+                if chains and child
+                else now
+            )
+            chained = self._chained(task, started[-1], child, since) if child else None
+            task = chained or task
             if not self.store.update_run(run.id, len(run.task_ids), {"task_ids": [*run.task_ids, task.id]}):
                 return False  # someone else queued it
-            self._queue(task)
+            if chained is not None and chains is not None:
+                self.ctrl.store.insert_tasks([chained])
+                chains.accepted.append(chained.id)
+                chains.created[chained.id] = chained
+            else:
+                self._queue(task)
             return True
         if not step.state.terminal:
             return False
@@ -150,3 +215,72 @@ class PipelineRuns:
         if step.state is RunState.SUCCEEDED:
             values["output"] = started[-1].output
         return self.store.update_run(run.id, len(run.task_ids), values)
+
+    # ---- chained stages ----------------------------------------------------------------------
+
+    def chain_hints(self, worker: Worker, leases: Sequence[Lease]) -> Sequence[Lease]:
+        """These leases, each pipeline stage's with the stages after it that may start right after it on this
+        worker (`Lease.chain`, in order; it stops at the first that may not). A batch is never chained."""
+        staged = {le.task.id: str(le.task.pipeline_run_id) for le in leases
+                  if le.task.pipeline_run_id and le.batch is None}  # fmt: skip
+        if not staged or worker.state is not WorkerState.HEALTHY:
+            return leases
+        runs = {r.id: r for r in self.store.get_runs(sorted(set(staged.values())))}
+        healthy = self._healthy()
+        now = self.ctrl.clock()
+        out = []
+        for le in leases:
+            run = runs.get(staged[le.task.id]) if le.task.id in staged else None
+            index = _stage_index(le.task)
+            steps: list[ChainStep] = []
+            if run is not None and not run.state.terminal and index is not None:
+                for i in range(index + 1, len(run.stages)):
+                    probe = self._stage_task(run, i, [], now)
+                    cpu_res = placement.needs(worker.offers(probe.spec.capability).get(Device.CPU), probe)
+                    fits = (
+                        cpu_res is not None
+                        and cpu_res.cpu <= worker.cpu
+                        and cpu_res.memory_bytes <= worker.memory_bytes
+                    )
+                    if self._route(probe, fits, healthy) is None:
+                        break
+                    steps.append(
+                        ChainStep(i, probe.spec.capability, probe.spec.timeout_s, dict(probe.spec.labels))
+                    )
+            out.append(replace(le, chain=tuple(steps)) if steps else le)
+        return out
+
+    def _chained(self, task: Task, parent: Task, child_id: str, since: float) -> Task | None:
+        """`task` (the next stage, as it would be queued) as the chained task `child_id` that the parent's
+        worker started at `since`, leased to it; None where the chain cannot stand and the stage is queued
+        instead. Its task is created as of when it started, so its queue time is the hand-off's, not negative."""
+        worker = self.ctrl._fleet().get(parent.worker_id or "")
+        if worker is None or worker.state is not WorkerState.HEALTHY or not TASK_ID.match(child_id):
+            return None
+        if self.ctrl.store.get_tasks([child_id]):
+            return None  # the id is taken (never by chance: 48 random bits per millisecond)
+        cpu_res = placement.needs(worker.offers(task.spec.capability).get(Device.CPU), task)
+        if cpu_res is None:
+            return None
+        room = placement.room_of(worker, self.ctrl.store.active_tasks([worker.id]))
+        decided = self._route(task, placement.fits(room, cpu_res), self._healthy())
+        if decided is None:
+            return None
+        routing = {"requested": task.spec.gpu.value, "device": Device.CPU.value,
+                   "reason": f"chained after stage {_stage_index(parent)} on {worker.id}; {decided.reason}"}  # fmt: skip
+        return replace(task, id=child_id, state=TaskState.LEASED, worker_id=worker.id, device=Device.CPU,
+                       routing=routing, created_at=since, queued_at=since, leased_at=since, attempts=1,
+                       alloc={"cpu": cpu_res.cpu, "memory": cpu_res.memory_bytes})  # fmt: skip
+
+    def _route(self, task: Task, cpu_fits: bool, healthy: Sequence[Worker]) -> Route | None:
+        return chain_route(
+            task.spec.gpu, task.spec.gpu_wait_s, cpu_fits, placement.cluster_view(healthy, task)
+        )
+
+    def _healthy(self) -> Sequence[Worker]:
+        return [w for w in self.ctrl._fleet().values() if w.state is WorkerState.HEALTHY]
+
+
+def _stage_index(task: Task) -> int | None:
+    stage = (task.spec.labels or {}).get("stage")
+    return int(stage) if stage is not None and stage.isdigit() else None

@@ -38,6 +38,10 @@ pipelines:
     stages:
       - {capability: nap, gpu: never, timeout_s: 120}
       - {capability: split, gpu: never}
+  split_then_nap:
+    stages:
+      - {capability: split, gpu: never}
+      - {capability: nap, gpu: never, timeout_s: 120}
 """
 
 
@@ -181,6 +185,30 @@ def test_cancelling_a_run_kills_the_stage_in_flight_and_starts_no_more(
     assert [s["state"] for s in after["stages"]] == ["cancelled", "pending"]
     again = configured.api("POST", f"/v1/pipeline-runs/{run['id']}/cancel")
     assert again.status_code == 409
+
+
+def test_stages_after_the_first_run_chained_on_its_worker_and_a_cancel_stops_the_one_in_flight(
+    configured: Cluster, tmp_path: Path
+) -> None:
+    """Only a CPU worker: `count` (prefer) would fall back to the CPU anyway, so every stage after the first
+    starts on that worker as soon as the one before it succeeds, with no queue and no lease between them."""
+    run = wait_run(configured, start_run(configured, "words", {"text": "a b c"})["id"])
+    assert run["state"] == "succeeded" and run["output"]["summary"] == "3 words", run
+    assert [s["reason"].split(" on ")[0] for s in run["stages"][1:]] == [
+        "chained after stage 0",
+        "chained after stage 1",
+    ]
+    assert len({s["worker"] for s in run["stages"]}) == 1
+
+    pidfile = tmp_path / "nap.pid"
+    run = start_run(configured, "split_then_nap", {"text": "k", "nap_s": 120, "pidfile": str(pidfile)})
+    pid = int(until(lambda: pidfile.exists() and pidfile.read_text(), what="the chained stage's pid"))  # type: ignore[arg-type]
+    napping = configured.api("GET", f"/v1/pipeline-runs/{run['id']}").json()["stages"][1]
+    assert napping["state"] in ("leased", "running") and napping["reason"].startswith("chained after stage 0")
+    assert configured.api("POST", f"/v1/pipeline-runs/{run['id']}/cancel").json()["state"] == "cancelled"
+    until(lambda: not pid_alive(pid), what="the chained stage's process to die")
+    after = configured.api("GET", f"/v1/pipeline-runs/{run['id']}").json()
+    assert [s["state"] for s in after["stages"]] == ["succeeded", "cancelled"]
 
 
 def test_unknown_pipeline_and_bad_run_input_are_refused_naming_the_field(configured: Cluster) -> None:

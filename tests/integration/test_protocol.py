@@ -43,6 +43,16 @@ pipelines:
       - {capability: napstage, gpu: never}
       - {capability: napstage, gpu: never}
 """
+LINKS = 10  # pipelines links0..links9, each of its own capability: one per test below, whatever ran before
+CONFIG += "".join(
+    f"  links{n}:\n    stages:\n      - {{capability: link{n}, gpu: never}}\n"
+    f"      - {{capability: link{n}, gpu: never, timeout_s: 7}}\n      - {{capability: link{n}, gpu: never}}\n"
+    for n in range(LINKS)
+)
+# a first stage smaller than the next: the room it frees does not hold the next stage while another task runs
+CONFIG += (
+    "  bigger:\n    stages:\n      - {capability: tiny, gpu: never}\n      - {capability: big, gpu: never}\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +102,19 @@ class StandIn:
 
 
 def stand_in(
-    c: Cluster, capability: str, *, cpu: float = 1.0, task_cpu: float = 0.5, heartbeat_s: float = 60
+    c: Cluster,
+    capability: str,
+    *,
+    cpu: float = 1.0,
+    task_cpu: float = 0.5,
+    heartbeat_s: float = 60,
+    also: dict[str, float] | None = None,
 ) -> StandIn:
-    variants = [{"capability": capability, "device": "cpu", "resources": {"cpu": task_cpu}}]
+    """A stand-in offering `capability` (each task `task_cpu`) and the capabilities in `also` (name: cpu)."""
+    sizes = {capability: task_cpu, **(also or {})}
+    variants = [
+        {"capability": name, "device": "cpu", "resources": {"cpu": size}} for name, size in sizes.items()
+    ]
     body = {"name": f"stand-in-{capability}", "host": "h", "variants": variants, "cpu": cpu, "memory": 2**30,
             "heartbeat_s": heartbeat_s}  # fmt: skip
     answer = c.api("POST", "/v1/workers/register", json=body).json()
@@ -141,7 +161,10 @@ def task(c: Cluster, task_id: str) -> dict[str, Any]:
 
 def test_a_completion_carrying_a_lease_answers_its_verdicts_and_the_next_tasks(controller: Cluster) -> None:
     w = stand_in(controller, "ex1")  # room for two tasks of 0.5 cpu
-    assert w.features == ["complete_lease"]  # named at registration: a worker uses only what is offered
+    assert w.features == [
+        "complete_lease",
+        "chain",
+    ]  # named at registration: a worker uses only what is offered
     ids = submit(controller, "ex1", 4)  # one batch: leased in id order, not the order submitted
     (first,) = w.lease(max_tasks=1)["tasks"]
 
@@ -295,18 +318,27 @@ def serving(c: Cluster, capability: str, cpus: float, work: Callable[[], None]) 
     return recorded
 
 
-def test_a_pipelines_stages_run_one_after_another_each_leased_by_the_last_ones_result(
+def test_a_pipelines_later_stages_start_where_the_first_ran_with_no_round_trip_between_them(
     controller: Cluster,
 ) -> None:
+    done: dict[str, Any] = {}
+
     def work() -> None:
         run = controller.api("POST", "/v1/pipelines/naps/runs", json={"input": {"nap_s": 0}}).json()
-        done = controller.api("GET", f"/v1/pipeline-runs/{run['id']}", params={"wait": 30}).json()
-        assert done["state"] == "succeeded", done
+        done.update(controller.api("GET", f"/v1/pipeline-runs/{run['id']}", params={"wait": 30}).json())
 
-    recorded = serving(controller, "napstage", 4, work)  # room to spare: no backlog, only the stages ask
-    leased = [t["labels"]["stage"] for body, answer in recorded.exchanges if "lease" in body
-              for t in answer.get("tasks", [])]  # fmt: skip
-    assert leased == ["1", "2"]
+    recorded = serving(controller, "napstage", 4, work)  # room to spare: no backlog, nothing asks for work
+
+    assert done["state"] == "succeeded", done
+    assert [s["reason"].split(";")[0] for s in done["stages"][1:]] == [
+        f"chained after stage 0 on {done['stages'][0]['worker']}",
+        f"chained after stage 1 on {done['stages'][0]['worker']}",
+    ]
+    results = [r for body, _ in recorded.exchanges for r in body["results"]]
+    named = [r.get("chain") for r in results]
+    assert named == [done["stages"][1]["task_id"], done["stages"][2]["task_id"], None]  # each named the next
+    assert not [t for _, answer in recorded.exchanges for t in answer.get("tasks", [])]  # none was leased
+    assert [c for _, answer in recorded.exchanges for c in answer.get("chained", [])] == named[:2]
 
 
 def test_an_idle_workers_result_asks_for_no_work_and_its_long_poll_takes_the_next(
@@ -409,3 +441,114 @@ def test_answers_encoded_in_one_step_still_carry_integers_beyond_64_bits(control
     assert leased["input"] == {"n": huge}
     assert w.complete([ok(leased, {"m": -huge})])["accepted"] == [leased["id"]]
     assert controller.result(leased["id"], 10)["output"] == {"m": -huge}
+
+
+# ---- chained stages by hand: what the controller accepts and refuses ----------------------------------------
+
+
+def chain_id() -> str:
+    from turnout.models import new_id
+
+    return new_id("t_")
+
+
+def links(
+    c: Cluster, n: int, *, cpu: float = 4, data: dict[str, Any] | None = None
+) -> tuple[StandIn, dict[str, Any], dict[str, Any]]:
+    """A stand-in serving `link{n}`, a `links{n}` run, and its first stage's lease, taken by the stand-in."""
+    w = stand_in(c, f"link{n}", cpu=cpu)
+    run = c.api("POST", f"/v1/pipelines/links{n}/runs", json={"input": data or {"x": 1}}).json()
+    (stage0,) = w.lease()["tasks"]
+    assert stage0["labels"] == {"pipeline": f"links{n}", "stage": "0"}
+    return w, run, stage0
+
+
+def test_a_stage_lease_lists_the_stages_that_may_start_after_it_on_the_same_worker(
+    controller: Cluster,
+) -> None:
+    _, _, stage0 = links(controller, 0)
+    assert stage0["chain"] == [
+        {"stage": 1, "capability": "link0", "timeout_s": 7.0, "labels": {"pipeline": "links0", "stage": "1"}},
+        {
+            "stage": 2,
+            "capability": "link0",
+            "timeout_s": None,
+            "labels": {"pipeline": "links0", "stage": "2"},
+        },
+    ]
+
+
+def test_results_naming_chained_stages_create_each_leased_here_and_settle_in_one_report(
+    controller: Cluster,
+) -> None:
+    w, run, stage0 = links(controller, 1, data={"x": 1})
+    one, two = chain_id(), chain_id()
+
+    answer = w.complete([
+        {**ok(stage0, {"a": 1}), "chain": one},
+        {"task_id": one, "attempt": 1, "status": "succeeded", "output": {"b": 2}, "chain": two},
+        {"task_id": two, "attempt": 1, "status": "succeeded", "output": {"c": 3}},
+    ])  # fmt: skip
+
+    assert answer == {
+        "accepted": [stage0["id"], one, two],
+        "refused": [],
+        "chained": [one, two],
+        "unchained": [],
+    }
+    done = controller.api("GET", f"/v1/pipeline-runs/{run['id']}", params={"wait": 10}).json()
+    assert done["state"] == "succeeded" and done["output"] == {"c": 3}
+    assert [s["task_id"] for s in done["stages"]] == [stage0["id"], one, two]
+    assert [s["worker"] for s in done["stages"]] == [w.id] * 3
+    assert task(controller, one)["input"] == {"x": 1, "a": 1}  # what the controller would have queued
+    assert task(controller, two)["input"] == {"x": 1, "a": 1, "b": 2}
+    assert all(s["queue_s"] is not None and s["queue_s"] >= 0 for s in done["stages"])
+
+
+@pytest.mark.parametrize("n,why", [(2, "taken"), (3, "malformed"), (4, "drained")])
+def test_a_chain_that_cannot_stand_is_refused_and_the_stage_is_queued_as_usual(
+    controller: Cluster, n: int, why: str
+) -> None:
+    w, run, stage0 = links(controller, n)
+    child = {"taken": stage0["id"], "malformed": "t_nothex", "drained": chain_id()}[why]
+    if why == "drained":
+        assert controller.api("POST", f"/v1/workers/{w.id}/drain").status_code == 200
+
+    answer = w.complete([{**ok(stage0), "chain": child}])
+
+    assert answer["accepted"] == [stage0["id"]]
+    assert answer["chained"] == [] and answer["unchained"] == [child]
+    queued = controller.api("GET", f"/v1/pipeline-runs/{run['id']}").json()["stages"][1]
+    assert queued["task_id"] != child and queued["state"] == "queued"
+
+
+def test_a_chain_the_worker_has_no_room_for_is_refused(controller: Cluster) -> None:
+    w = stand_in(controller, "tiny", cpu=1.0, task_cpu=0.25, also={"big": 1.0})
+    run = controller.api("POST", "/v1/pipelines/bigger/runs", json={"input": {}}).json()
+    (stage0,) = w.lease(max_tasks=1)["tasks"]
+    other = controller.submit("tiny", {"other": True})
+    assert [t["id"] for t in w.lease()["tasks"]] == [other["id"]]  # 0.5 of 1 CPU held; stage 0 frees 0.25
+    child = chain_id()
+
+    answer = w.complete([{**ok(stage0), "chain": child}])
+
+    assert answer["unchained"] == [child]
+    assert controller.api("GET", f"/v1/pipeline-runs/{run['id']}").json()["stages"][1]["state"] == "queued"
+
+
+def test_a_chain_named_again_after_a_lost_answer_is_answered_the_same(controller: Cluster) -> None:
+    w, _, stage0 = links(controller, 6)
+    one = chain_id()
+    first = w.complete([{**ok(stage0), "chain": one}])
+    again = w.complete([{**ok(stage0), "chain": one}])
+    assert first["chained"] == again["chained"] == [one] and again["accepted"] == [stage0["id"]]
+    assert task(controller, one)["state"] == "leased" and task(controller, one)["worker"] == w.id
+
+
+def test_a_chain_after_a_refused_result_is_never_created(controller: Cluster) -> None:
+    w, run, stage0 = links(controller, 7)
+    assert controller.api("POST", f"/v1/pipeline-runs/{run['id']}/cancel").status_code == 200
+    one = chain_id()
+    answer = w.complete([{**ok(stage0), "chain": one}, {"task_id": one, "attempt": 1, "status": "succeeded"}])
+    assert answer["accepted"] == [] and set(answer["refused"]) == {stage0["id"], one}
+    assert controller.api("GET", f"/v1/tasks/{one}").status_code == 404

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Query
 
 from turnout.access import Action, Principal
 from turnout.api.guards import Guards
-from turnout.api.schemas import GPU_SCHEMA, Strict, check_task_size, device_of, iso
+from turnout.api.schemas import GPU_SCHEMA, FastJSON, Strict, check_task_size, device_of, iso
 from turnout.api.service import Service, Signal
 from turnout.api.strictjson import StrictJsonRoute
 from turnout.config import Prices
@@ -40,14 +40,15 @@ def router(service: Service, guards: Guards) -> APIRouter:
     runs = ctrl.runs
     limits = ctrl.settings.request_limits
 
-    async def answer(tenant: str | None, run_id: str, wait: float) -> dict[str, Any]:
+    async def answer(tenant: str | None, run_id: str, wait: float, status_code: int = 200) -> FastJSON:
+        """The run once it ends or `wait` seconds pass, encoded in one step (a waiting client is on the clock)."""
         deadline = time.monotonic() + wait
         while True:
             signal = service.tasks_changed.current()
             run, tasks = await service.read(_run_and_tasks, tenant, run_id)
             left = deadline - time.monotonic()
             if run.state.terminal or left <= 0:
-                return run_out(run, tasks, ctrl.settings.prices)
+                return FastJSON(run_out(run, tasks, ctrl.settings.prices), status_code=status_code)
             await Signal.wait(signal, min(left, service.recheck_s))
 
     def _run_and_tasks(tenant: str | None, run_id: str) -> tuple[PipelineRun, list[Task | None]]:
@@ -59,10 +60,10 @@ def router(service: Service, guards: Guards) -> APIRouter:
         return {"pipelines": [{"name": pl.name, "stages": [s.to_dict() for s in pl.stages]}
                               for pl in ctrl.settings.pipelines.values()]}  # fmt: skip
 
-    @api.post("/v1/pipelines/{name}/runs", status_code=201)
+    @api.post("/v1/pipelines/{name}/runs", status_code=201, response_class=FastJSON)
     async def start(
         name: str, body: RunIn, wait: float = Query(0, ge=0, le=3600), p: Principal = need(Action.SUBMIT)
-    ) -> dict[str, Any]:
+    ) -> FastJSON:
         check_task_size(body.input, {}, limits)
         gpu = GpuMode.parse(body.gpu, "gpu") if body.gpu is not None else None
         first = runs.pipeline(name).stages[0]  # 404 for a pipeline not configured, before any token is taken
@@ -72,7 +73,7 @@ def router(service: Service, guards: Guards) -> APIRouter:
         service.admit_counts(p.home_tenant, 1, int(stage_gpu(first, gpu) is GpuMode.REQUIRE))
         run = await service.call(runs.start, p.home_tenant, name, body.input, gpu)
         service.queue_changed.notify()
-        return await answer(p.scope, run.id, wait)
+        return await answer(p.scope, run.id, wait, 201)
 
     @api.get("/v1/pipeline-runs")
     async def list_runs(
@@ -94,14 +95,14 @@ def router(service: Service, guards: Guards) -> APIRouter:
                          cursor: str | None) -> list[tuple[PipelineRun, list[Task | None]]]:  # fmt: skip
         return [(r, runs.tasks_of(r)) for r in runs.list(tenant, state=state, limit=limit, cursor=cursor)]
 
-    @api.get("/v1/pipeline-runs/{run_id}")
+    @api.get("/v1/pipeline-runs/{run_id}", response_class=FastJSON)
     async def get_run(
         run_id: str, wait: float = Query(0, ge=0, le=3600), p: Principal = need(Action.READ)
-    ) -> dict[str, Any]:
+    ) -> FastJSON:
         return await answer(p.scope, run_id, wait)
 
-    @api.post("/v1/pipeline-runs/{run_id}/cancel")
-    async def cancel(run_id: str, p: Principal = need(Action.SUBMIT)) -> dict[str, Any]:
+    @api.post("/v1/pipeline-runs/{run_id}/cancel", response_class=FastJSON)
+    async def cancel(run_id: str, p: Principal = need(Action.SUBMIT)) -> FastJSON:
         await service.call(runs.cancel, p.scope, run_id, by=p.token_id)
         service.changed()
         return await answer(p.scope, run_id, 0)

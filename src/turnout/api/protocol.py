@@ -104,7 +104,7 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> APIRouter:
                 service.changes.current(),
                 mine.current(),
             )
-            result = await service.call(ctrl.lease, worker_id, max_tasks=body.max_tasks, running=running,
+            result = await service.call(ctrl.offer, worker_id, max_tasks=body.max_tasks, running=running,
                                         tenant=me.tenant, listed_at=listed_at)  # fmt: skip
             running = [tid for tid in running if tid not in set(result.cancel)]
             left = deadline - time.monotonic()
@@ -126,6 +126,8 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> APIRouter:
         ask = body.lease.to_ask(me.tenant) if body.lease else None
         done = await service.call(ctrl.exchange, worker_id, completions, ask)
         answer: dict[str, Any] = {"accepted": done.accepted, "refused": done.refused}
+        if done.chains.claimed:  # which of the stages the worker started may go on (the others it stops)
+            answer.update(chained=done.chains.accepted, unchained=done.chains.refused)
         if done.accepted:
             service.capacity_freed(worker_id, done.lease)  # its capacity is free again; other workers' is not
             service.tasks_changed.notify()

@@ -237,7 +237,8 @@ class HeartbeatIn(Strict):
 
 # What this controller's worker protocol offers beyond the first version, named in the register answer so a
 # worker uses only what its controller understands: "complete_lease": `complete` may carry `lease`.
-WORKER_FEATURES = ("complete_lease",)
+# what this controller takes beyond the base protocol: a lease riding on a completion, chained pipeline stages
+WORKER_FEATURES = ("complete_lease", "chain")
 
 
 class LeaseAskIn(Strict):
@@ -268,11 +269,12 @@ class ResultIn(Strict):
     isolation: dict[str, Any] | None = Field(None, max_length=32)
     cold_start_s: float | None = Field(None, ge=0, le=MAX_RUN_S)  # process start and setup it waited for
     usage: UsageIn | None = None
+    chain: TaskId | None = None  # the next pipeline stage's task, started at once (runs.py, chained stages)
 
     def to_completion(self) -> Completion:
         usage = self.usage.model_dump(exclude_none=True) if self.usage else None
         return Completion(self.task_id, self.attempt, self.status == "succeeded", self.output, self.error,
-                          self.run_s, self.started_at, self.isolation, self.cold_start_s, usage)  # fmt: skip
+                          self.run_s, self.started_at, self.isolation, self.cold_start_s, usage, self.chain)  # fmt: skip
 
 
 class UsageIn(Strict):
@@ -359,7 +361,9 @@ def lease_out(le: Lease) -> dict[str, Any]:
     t = le.task
     return {"id": t.id, "attempt": t.attempts, "capability": t.spec.capability, "device": le.device.value,
             "input": t.spec.input, "resources": le.resources.to_dict(), "gpus": le.grant, "timeout_s": t.spec.timeout_s,
-            "labels": t.spec.labels, "tenant": t.tenant, "routing": t.routing, "batch": le.batch}  # fmt: skip
+            "labels": t.spec.labels, "tenant": t.tenant, "routing": t.routing, "batch": le.batch,
+            "chain": [{"stage": c.stage, "capability": c.capability, "timeout_s": c.timeout_s, "labels": c.labels}
+                      for c in le.chain]}  # fmt: skip
 
 
 def leases_out(result: LeaseResult) -> dict[str, Any]:

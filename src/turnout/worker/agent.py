@@ -38,6 +38,7 @@ from turnout.gpu.provider import Discovery, discover
 from turnout.models import Device, Variant
 from turnout.tls import async_client
 from turnout.worker.app import HandlerVariant, WorkerApplication
+from turnout.worker.chains import CHAIN_HOLD_S, ChainBook, chained_lease, reorder
 from turnout.worker.delivery import Refusal, Replace, deliver
 from turnout.worker.files import TaskFileError, TaskFiles, WorkerFiles
 from turnout.worker.gpuwatch import GpuWatch, SharedTask, memory_over_limit, process_tree
@@ -246,6 +247,7 @@ class Agent:
         self._backlog = False  # the last lease answer said work for this worker stays queued
         self._asks_work: set[str] = set()  # tasks whose results should ask for work (see `_wants_work`)
         self._cpu_of: dict[str, float] = {}  # running task id -> the CPU its lease holds
+        self.chains = ChainBook()  # pipeline stages started here before their tasks exist (chains.py)
 
     def offered(self, runnables: list[Runnable]) -> list[Runnable]:
         """The variants this host's hardware can run: GPU variants only where some GPU could ever fit them."""
@@ -397,7 +399,8 @@ class Agent:
     def _held(self) -> list[str]:
         """What this worker holds: running, or finished with its result not yet sent. The controller re-queues
         a lease the worker does not list (its answer was lost), so a lease request lists all of these."""
-        return [*self.running, *(c["task_id"] for c in self._completions)]
+        held = [*self.running, *(c["task_id"] for c in self._completions)]
+        return [tid for tid in held if not self.chains.unconfirmed(tid)]  # unknown there yet: never stopped
 
     async def _lease_loop(self) -> None:
         delay = 0.2
@@ -564,6 +567,7 @@ class Agent:
             )
         results = _per_task(outcome, len(leases), batched)
         frees_room = self._full() or bool(first.get("gpus"))  # room the long poll was not waiting with
+        chained: dict[str, Any] | None = None  # the next pipeline stage, started here at once
         for i, (lease, result) in enumerate(zip(leases, results, strict=True)):
             if result.succeeded and i < len(files):  # what it left in its output directory goes back as files
                 try:
@@ -586,13 +590,67 @@ class Agent:
                 "cold_start_s": None if cold_start_s is None else cold_start_s / share, "usage": usage or None,
             }  # fmt: skip
             checked = checked_completion(completion)
-            if frees_room or "pipeline" in (lease.get("labels") or {}) or checked["status"] != "succeeded":
+            if checked["status"] == "succeeded" and not batched:
+                chained = self._chain_after(lease, checked["output"])
+                if chained is not None:
+                    checked["chain"] = chained["id"]
+            if (
+                frees_room
+                or checked["status"] != "succeeded"
+                or ("pipeline" in (lease.get("labels") or {}) and chained is None)
+            ):
                 self._asks_work.add(lease["id"])
             self._completions.append(checked)
-        self._completions_ready.set()
+        if chained is not None:  # its result waits a moment for the next stage's, to go in one report
+            self._start_chained(first["id"], chained)
+            asyncio.get_running_loop().call_later(CHAIN_HOLD_S, self._completions_ready.set)
+        else:
+            self._completions_ready.set()
         # the result (and the next lease) go out first; the empty directories can go while they travel
         await asyncio.sleep(0)
         await self._clean(files)
+
+    def _chain_after(self, lease: dict[str, Any], output: Any) -> dict[str, Any] | None:
+        """The lease of the pipeline stage to start here right after `lease` succeeded, if the controller listed
+        one, this worker serves it, is not stopping, and has room for it (chains.py)."""
+        steps = lease.get("chain")
+        if not steps or not self._leasing or "chain" not in self._features:
+            return None
+        runnable = self.runnables.get(f"{steps[0].get('capability')}:{Device.CPU.value}")
+        if runnable is None:
+            return None
+        cpus = self.settings.cpus or float(os.cpu_count() or 1)
+        if sum(self._cpu_of.values()) + runnable.variant.resources.cpu > cpus + 1e-9:
+            return None
+        try:
+            return chained_lease(lease, output, runnable.variant.resources.to_dict())
+        except (ValueError, TypeError, KeyError, AttributeError):
+            log.exception("task %s: could not chain the stage after it; it is queued instead", lease["id"])
+            return None
+
+    def _start_chained(self, parent: str, lease: dict[str, Any]) -> None:
+        """Run the chained stage now; it stays unconfirmed until the parent's result is answered."""
+        self.chains.start(parent, lease["id"])
+        self.running[lease["id"]] = asyncio.create_task(self._execute([lease]))
+        self._cpu_of[lease["id"]] = float(lease["resources"].get("cpu") or 0.0)
+
+    def _settle_chains(self, answer: dict[str, Any]) -> None:
+        """A report's answer decided the stages chained after its results: go on with some, stop the others."""
+        confirmed, refused = self.chains.settle(answer)
+        for task_id in confirmed:
+            if task_id in self.running:  # from now on a lease answer may stop it, like any task leased here
+                self._started += 1
+                self._started_as[task_id] = self._started
+        for task_id in refused:
+            log.info(
+                "task %s: the controller queued this stage instead of chaining it here; stopping it", task_id
+            )
+            job = self.running.get(task_id)
+            if job is not None:
+                job.cancel()
+        if confirmed or refused:  # their reports may go (or be dropped) now
+            self._events_ready.set()
+            self._completions_ready.set()
 
     async def _clean(self, files: list[TaskFiles]) -> None:
         """Remove the tasks' scratch and output directories (the common case: two rmdir calls, no thread)."""
@@ -717,14 +775,19 @@ class Agent:
 
     async def _post_events(self) -> None:
         async with self._events_lock:
-            await self._post_batch(self._events, "events", "events", self._refused_event)
+            _, events = self.chains.sendable([], self._events)
+            count = reorder(self._events, events, self.chains.dropped)  # an unconfirmed stage's wait
+            await self._post_batch(self._events, "events", "events", self._refused_event, limit=count)
 
     async def _post_completions(self) -> None:
         # A task's events are stored (or refused) before its completion: a stream that ends when the task does
         # misses none, and a completion is sent only once its events' fate is known. A task queues its events
         # before its completion, so the completions counted here have all their events in what is posted next.
         async with self._completions_lock:
-            count = len(self._completions)
+            results, _ = self.chains.sendable(self._completions, self._events)
+            count = reorder(self._completions, results, self.chains.dropped)
+            self.chains.forget_dropped([*self.running, *(c["task_id"] for c in self._completions),
+                                        *(e["task_id"] for e in self._events)])  # fmt: skip
             await self._post_events()
             self._apply_event_failures(count)
             await self._post_batch(self._completions, "complete", "results", self._refused_completion,
@@ -777,9 +840,14 @@ class Agent:
                     body = b'%s,"lease":%s}' % (body[:-1], ask[0])
                 resp = await self.http.post(f"/v1/workers/{self.worker_id}/{path}", content=body, timeout=30,
                                             headers={"Content-Type": "application/json"})  # fmt: skip
-                if ask is not None and resp.is_success:
+                chains = lease and bool(self.chains.child_of)
+                if (ask is not None or chains) and resp.is_success:
                     try:
-                        self._accept(resp.json(), ask[1])
+                        answer = resp.json()
+                        if chains:
+                            self._settle_chains(answer)
+                        if ask is not None:
+                            self._accept(answer, ask[1])
                     except Exception:  # the results are in; a lease not read is taken back after a while
                         log.exception("could not read the work a completion's answer leased")
                 return resp
