@@ -781,10 +781,15 @@ class Controller:
         accepted: list[str] = []
         ended: list[Task] = []
         left = list(completions)
+        chains.reports = {c.task_id: c for c in completions}
         while left:
             chained_before = len(chains.accepted)
             done, left = self._settle_round(worker_id, left, chains, ended)
             accepted += done
+            settled_by_runs = [c.task_id for c in left if c.task_id in chains.settled]
+            accepted += settled_by_runs  # chained stages recorded, with their results, as they were created
+            ended += [chains.created[tid] for tid in settled_by_runs]
+            left = [c for c in left if c.task_id not in chains.settled]
             if len(chains.accepted) == chained_before:
                 break  # what is left names tasks that do not exist (or not here): refused
         self._learn(ended, {c.task_id: c for c in completions}, self.clock())
@@ -821,18 +826,9 @@ class Controller:
                 or t.state not in ACTIVE_STATES
             ):
                 continue
-            started = c.started_at or t.started_at or t.leased_at
-            run_s = c.run_s if c.run_s is not None else (now - started if started else None)
-            billed = None if run_s is None else run_s + (c.cold_start_s or 0.0)
-            values: dict[str, Any] = {"finished_at": now, "run_s": run_s, "started_at": started,
-                                      "cost_usd": self._cost(t, billed), "isolation": c.isolation,
-                                      "cold_start_s": c.cold_start_s, "usage": c.usage}  # fmt: skip
+            values = self.result_values(t, c, now)
             if c.succeeded:
-                values.update(state=TaskState.SUCCEEDED, output=c.output, error=None)
-                if c.chain and t.pipeline_run_id:
-                    chains.claimed[t.id] = c.chain
-                    if started is not None and run_s is not None:  # it ended, and the next began, then
-                        chains.started_at[c.chain] = started + run_s
+                chains.claim(t, c, values)
             else:
                 error = dict(c.error or {"type": "error", "message": "failed"})
                 if error.get("type") in RETRYABLE_ERRORS and t.attempts <= t.spec.max_retries:
@@ -854,6 +850,18 @@ class Controller:
         if run_ids:  # the next stage, in this commit
             self.runs.advance_runs(run_ids, chains)
         return accepted, [c for c in completions if c.task_id not in tasks]
+
+    def result_values(self, t: Task, c: Completion, now: float) -> dict[str, Any]:
+        """The task's fields once its result `c` is recorded (a failure's state and error are the caller's)."""
+        started = c.started_at or t.started_at or t.leased_at
+        run_s = c.run_s if c.run_s is not None else (now - started if started else None)
+        billed = None if run_s is None else run_s + (c.cold_start_s or 0.0)
+        values: dict[str, Any] = {"finished_at": now, "run_s": run_s, "started_at": started,
+                                  "cost_usd": self._cost(t, billed), "isolation": c.isolation,
+                                  "cold_start_s": c.cold_start_s, "usage": c.usage}  # fmt: skip
+        if c.succeeded:
+            values.update(state=TaskState.SUCCEEDED, output=c.output, error=None)
+        return values
 
     def _learn(self, ended: Sequence[Task], by_id: Mapping[str, Completion], now: float) -> None:
         """Fold each success into its (capability, device class, GPU model) profile, for `gpu: auto`: one

@@ -28,6 +28,7 @@ from turnout.errors import Conflict, InvalidInput, NotFound
 from turnout.models import (
     TASK_ID,
     ChainStep,
+    Completion,
     Device,
     GpuMode,
     Lease,
@@ -67,6 +68,16 @@ class Chains:
     )  # next stage's id -> its start (worker's clock)
     created: dict[str, Task] = field(default_factory=dict)  # the accepted ones' tasks, as inserted
     accepted: list[str] = field(default_factory=list)  # created, leased to that worker
+    reports: dict[str, Completion] = field(default_factory=dict)  # every result of the report, by task id
+    settled: set[str] = field(default_factory=set)  # accepted ones created already ended, with their result
+
+    def claim(self, task: Task, result: Completion, values: Mapping[str, Any]) -> None:
+        """Note the stage `result` says its worker started after `task` (which `values` end) as it succeeded."""
+        if result.chain and task.pipeline_run_id:
+            self.claimed[task.id] = result.chain
+            started, run_s = values.get("started_at"), values.get("run_s")
+            if started is not None and run_s is not None:  # it ended, and the next one began, then
+                self.started_at[result.chain] = started + run_s
 
     @property
     def refused(self) -> list[str]:
@@ -183,6 +194,9 @@ class PipelineRuns:
         return queued
 
     def _advance(self, run: PipelineRun, chains: Chains | None = None) -> bool:
+        """Queue the run's next stage, or end the run. A stage its worker chained is created leased to it; and
+        where that stage's own successful result is in the same report, it is created with it, already
+        succeeded, and the run goes on from there: a report of a run's chained stages is settled in one pass."""
         tasks = self.ctrl.store.get_tasks(run.task_ids)
         by_id = {t.id: t for t in tasks}
         started = [by_id[tid] for tid in run.task_ids if tid in by_id]
@@ -190,31 +204,52 @@ class PipelineRuns:
             return False  # a task not visible yet (another controller's commit): next sweep
         step = next_step(run.stages, started)
         now = self.ctrl.clock()
-        if step.next_stage is not None:
+        new: list[Task] = []  # the stages this step creates, in order; only the last may be unfinished
+        while step.next_stage is not None:
             task = self._stage_task(run, step.next_stage, started, now)
-            child = chains.claimed.get(started[-1].id) if chains else None
-            since = (
-                min(now, max(started[-1].created_at, chains.started_at.get(child, now)))
-                if chains and child
-                else now
-            )
-            chained = self._chained(task, started[-1], child, since) if child else None
-            task = chained or task
-            if not self.store.update_run(run.id, len(run.task_ids), {"task_ids": [*run.task_ids, task.id]}):
-                return False  # someone else queued it
-            if chained is not None and chains is not None:
-                self.ctrl.store.insert_tasks([chained])
-                chains.accepted.append(chained.id)
-                chains.created[chained.id] = chained
-            else:
-                self._queue(task)
-            return True
-        if not step.state.terminal:
-            return False
-        values: dict[str, Any] = {"state": step.state, "finished_at": now, "error": step.error}
-        if step.state is RunState.SUCCEEDED:
-            values["output"] = started[-1].output
-        return self.store.update_run(run.id, len(run.task_ids), values)
+            chained = self._chain_of(task, started[-1], chains, now) if chains else None
+            report = chains.reports.get(chained.id) if chains and chained else None
+            if (
+                chained is None
+                or report is None
+                or not report.succeeded
+                or report.attempt != chained.attempts
+            ):
+                new.append(chained or task)
+                break
+            ended = self.ctrl.result_values(chained, report, now)
+            done = replace(chained, **ended)
+            if chains:
+                chains.claim(done, report, ended)
+            new.append(done)
+            started.append(done)
+            step = next_step(run.stages, started)
+        values: dict[str, Any] = {"task_ids": [*run.task_ids, *(t.id for t in new)]} if new else {}
+        # a run whose last stage ended here ends with it; the step before the loop may have ended it too
+        if step.next_stage is None and step.state.terminal:
+            values.update(state=step.state, finished_at=now, error=step.error)
+            if step.state is RunState.SUCCEEDED:
+                values["output"] = started[-1].output
+        if not values or not self.store.update_run(run.id, len(run.task_ids), values):
+            return False  # nothing to do, or someone else moved it on
+        for t in new:
+            if chains is None or t.id not in set(chains.claimed.values()):
+                self._queue(t)
+                continue
+            self.ctrl.store.insert_tasks([t])
+            chains.accepted.append(t.id)
+            chains.created[t.id] = t
+            if t.state.terminal:
+                chains.settled.add(t.id)
+        return True
+
+    def _chain_of(self, task: Task, parent: Task, chains: Chains, now: float) -> Task | None:
+        """The next stage as the chained task the parent's worker started, if it named one that can stand."""
+        child = chains.claimed.get(parent.id)
+        if child is None:
+            return None
+        since = min(now, max(parent.created_at, chains.started_at.get(child, now)))
+        return self._chained(task, parent, child, since)
 
     # ---- chained stages ----------------------------------------------------------------------
 

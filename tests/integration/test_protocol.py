@@ -49,6 +49,7 @@ CONFIG += "".join(
     f"      - {{capability: link{n}, gpu: never, timeout_s: 7}}\n      - {{capability: link{n}, gpu: never}}\n"
     for n in range(LINKS)
 )
+CONFIG += "  drained:\n    stages:\n      - {capability: napd, gpu: never}\n      - {capability: napd, gpu: never}\n"
 # a first stage smaller than the next: the room it frees does not hold the next stage while another task runs
 CONFIG += (
     "  bigger:\n    stages:\n      - {capability: tiny, gpu: never}\n      - {capability: big, gpu: never}\n"
@@ -552,3 +553,33 @@ def test_a_chain_after_a_refused_result_is_never_created(controller: Cluster) ->
     answer = w.complete([{**ok(stage0), "chain": one}, {"task_id": one, "attempt": 1, "status": "succeeded"}])
     assert answer["accepted"] == [] and set(answer["refused"]) == {stage0["id"], one}
     assert controller.api("GET", f"/v1/tasks/{one}").status_code == 404
+
+
+def test_an_agent_whose_chain_is_refused_stops_that_stage_and_never_reports_it(controller: Cluster) -> None:
+    """The worker is drained while stage 0 naps: the agent does not know, starts stage 1 as stage 0 ends, and
+    the controller refuses the chain (a draining worker takes no new work) and queues stage 1 instead."""
+    seen: dict[str, Any] = {}
+
+    def work() -> None:
+        run = controller.api("POST", "/v1/pipelines/drained/runs", json={"input": {"nap_s": 0.5}}).json()
+        workers = controller.api("GET", "/v1/workers").json()["workers"]
+        (me,) = [w["id"] for w in workers if w["name"] == "agent-napd" and w["state"] == "healthy"]
+        assert controller.api("POST", f"/v1/workers/{me}/drain").status_code == 200
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            seen.update(controller.api("GET", f"/v1/pipeline-runs/{run['id']}").json())
+            if seen["stages"][1]["state"] == "queued":
+                break
+            time.sleep(0.05)
+        time.sleep(1.0)  # what the agent stopped stays stopped: no report of it comes
+        controller.api("POST", f"/v1/pipeline-runs/{run['id']}/cancel")
+
+    recorded = serving(controller, "napd", 4, work)
+
+    assert seen["stages"][0]["state"] == "succeeded" and seen["stages"][1]["state"] == "queued", seen
+    named = [r["chain"] for body, _ in recorded.exchanges for r in body["results"] if r.get("chain")]
+    refused = [c for _, answer in recorded.exchanges for c in answer.get("unchained", [])]
+    assert len(named) == 1 and refused == named and named[0] != seen["stages"][1]["task_id"]
+    reported = {r["task_id"] for body, _ in recorded.exchanges for r in body["results"]}
+    assert named[0] not in reported  # the stage it started was stopped, and its result never sent
+    assert controller.api("GET", f"/v1/tasks/{named[0]}").status_code == 404
