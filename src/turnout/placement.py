@@ -39,7 +39,9 @@ from turnout.tenancy import LimitsTable
 # Live placement estimates FGD's typical tasks from what runs now; one whole-GPU task is always among them,
 # so a share is not put on a free GPU while a partly used one fits it (as a trace's mix would also say).
 WHOLE_GPU = GpuRequest(count=1)
-PLACEMENT_SETTLE_S = 1.0  # how long a GPU task waits for the policy's best worker before any fitting one takes it
+PLACEMENT_SETTLE_S = (
+    1.0  # how long a GPU task waits for the policy's best worker before any fitting one takes it
+)
 
 
 @dataclass
@@ -302,7 +304,9 @@ class Facts:
         """Count a placement's GPU grant against its tenant for the rest of this request."""
         if placed.grant is not None and placed.riding is None:
             self.granted[task.tenant] = self.granted.get(task.tenant, 0) + 1
-            self.planned_gpus[task.tenant] = self.planned_gpus.get(task.tenant, 0.0) + (placed.gpu_share or 0.0)
+            self.planned_gpus[task.tenant] = self.planned_gpus.get(task.tenant, 0.0) + (
+                placed.gpu_share or 0.0
+            )
 
 
 class BatchRole(str, enum.Enum):
@@ -317,7 +321,9 @@ class Placement:
 
     device: Device
     variant: Variant  # the variant that runs it
-    resources: Resources  # what it asks of the worker (a rider: its leader's variant's, held once by the leader)
+    resources: (
+        Resources  # what it asks of the worker (a rider: its leader's variant's, held once by the leader)
+    )
     reason: str  # routing.reason
     grant: GpuGrant | None = None  # its GPUs (a rider: its leader's)
     unit_memory_bytes: int | None = None  # the smallest granted unit's memory (the worker's memory fraction)

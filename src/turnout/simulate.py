@@ -219,7 +219,9 @@ def simulate(
     capacity_milli = sum(n.gpus for n in nodes) * 1000
     if capacity_milli == 0:
         raise InvalidInput("nodes: the cluster has no GPU", field="nodes")
-    trace_mix = typical_mix(t.request() for t in sorted(tasks, key=lambda t: t.name)) if mix == "trace" else ()
+    trace_mix = (
+        typical_mix(t.request() for t in sorted(tasks, key=lambda t: t.name)) if mix == "trace" else ()
+    )
     sequence = task_sequence(tasks, capacity_milli, rng)
     fragments = Fragments()  # what each task shape leaves unusable per node state, whatever the mix
     index = PlacementIndex(make_policy(policy, mix=trace_mix, rng=rng, fragments=fragments), rng)

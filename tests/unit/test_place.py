@@ -23,7 +23,9 @@ NOW = 100.0
 SHARE = Variant("c", Device.GPU, parse_resources({"gpu_memory": "4Gi", "cpu": 1}))
 WHOLE = Variant("c", Device.GPU, parse_resources({"gpu": 1, "cpu": 1}))
 CPU = Variant("c", Device.CPU, parse_resources({"cpu": 1, "memory": "1Gi"}))
-BATCHED = Variant("c", Device.GPU, parse_resources({"gpu": 1, "cpu": 1}), max_batch_size=4, max_batch_wait_ms=50)
+BATCHED = Variant(
+    "c", Device.GPU, parse_resources({"gpu": 1, "cpu": 1}), max_batch_size=4, max_batch_wait_ms=50
+)
 
 
 def worker(wid: str, variants: tuple[Variant, ...], gpus: int = 1, gpu_mem: int = 24, cpu: float = 4.0,
@@ -129,7 +131,9 @@ def test_given_an_oom_on_the_only_gpu_when_retried_then_it_goes_to_the_cpu_namin
     assert p.reason == "gpu out of memory on GPU-a-0; no healthy gpu worker"
 
 
-def test_given_a_better_fitting_worker_when_a_fresh_gpu_task_asks_then_it_is_left_to_that_worker_a_moment() -> None:
+def test_given_a_better_fitting_worker_when_a_fresh_gpu_task_asks_then_it_is_left_to_that_worker_a_moment() -> (
+    None
+):
     a, b = worker("a", (SHARE,)), worker("b", (SHARE,))
     running = task("r", state=TaskState.RUNNING, worker_id="b", device=Device.GPU, alloc={"cpu": 1, "memory": 0},
                    gpus={"uuids": ["GPU-b-0"], "indices": [0], "memory_bytes": 4 * GiB, "exclusive": False,
@@ -141,7 +145,9 @@ def test_given_a_better_fitting_worker_when_a_fresh_gpu_task_asks_then_it_is_lef
     assert settled is not None and settled.device is Device.GPU
 
 
-def test_given_a_warm_worker_that_serves_the_tenant_when_a_cold_one_asks_then_the_task_waits_for_the_warm() -> None:
+def test_given_a_warm_worker_that_serves_the_tenant_when_a_cold_one_asks_then_the_task_waits_for_the_warm() -> (
+    None
+):
     warm = worker("w", (SHARE, CPU), metrics={"pools": {"c:gpu": {"loaded": 1}}})
     cold = worker("a", (SHARE, CPU))
     assert decide(task(), cold, warm) is None
@@ -170,7 +176,9 @@ def test_given_a_full_worker_when_a_task_asks_then_it_stays_queued() -> None:
 
 # ---- properties over random rooms ----------------------------------------------------------------------
 
-held_shares = st.lists(st.integers(min_value=1, max_value=24), max_size=3)  # GiB held on each of a GPU's shares
+held_shares = st.lists(
+    st.integers(min_value=1, max_value=24), max_size=3
+)  # GiB held on each of a GPU's shares
 
 
 @settings(max_examples=150, deadline=None)

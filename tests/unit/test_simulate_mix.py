@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -25,7 +26,9 @@ def write_csv(path: Path, cols: list[str], rows: list[list[object]]) -> Path:
 def mixed_trace(tmp_path: Path) -> tuple[Path, Path]:
     """Four 2-GPU nodes and a trace of shares, whole GPUs and a CPU-only task."""
     nodes = write_csv(tmp_path / "nodes.csv", NODE_COLS, [[f"n{i}", 32000, 65536, 2, "T4"] for i in range(4)])
-    rows: list[list[object]] = [[f"t{i:02d}", 2000, 1024, 1, (250, 500, 1000, 750)[i % 4], ""] for i in range(12)]
+    rows: list[list[object]] = [
+        [f"t{i:02d}", 2000, 1024, 1, (250, 500, 1000, 750)[i % 4], ""] for i in range(12)
+    ]
     rows.append(["cpu", 1000, 512, 0, 0, ""])
     return nodes, write_csv(tmp_path / "tasks.csv", TASK_COLS, rows)
 
@@ -42,7 +45,7 @@ def test_online_mix_weighs_what_the_controller_weighs_the_tasks_placed_so_far_th
     monkeypatch.setattr(sim, "online_mix", spy)
     result = sim.run_simulation(*mixed_trace, "fgd", 3, "online")
     assert len(seen) == result.tasks  # one estimate per arriving task, as the controller makes per lease
-    for (running, request), (running_next, _) in zip(seen, seen[1:], strict=False):
+    for (running, request), (running_next, _) in itertools.pairwise(seen):
         assert running_next in (running, [*running, request])  # the placed tasks, in order, nothing else
         assert request.wants_gpu or running_next == running  # a CPU-only task holds no GPU: not running here
     assert seen[-1][0] and all(r.wants_gpu for r in seen[-1][0])

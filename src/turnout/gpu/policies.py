@@ -103,7 +103,11 @@ class Node:
 
     def holding(self, request: GpuRequest, grant: GpuGrant | None) -> Node:
         """The node once `grant` (for `request`) is held on it."""
-        usage = add_grant(self.usage, grant, request.workload, request.tenant) if grant is not None else self.usage
+        usage = (
+            add_grant(self.usage, grant, request.workload, request.tenant)
+            if grant is not None
+            else self.usage
+        )
         host = Host(self.host.cpu_free - request.cpu, self.host.memory_free_bytes - request.host_memory_bytes)
         return Node(self.units, usage, host)
 
