@@ -6,7 +6,8 @@
 
 Every run replays through `turnout.simulate` (Turnout's own placement code), once per task mix: `online` (what
 the controller weighs: the GPU tasks placed so far, the one being placed and one whole GPU) and `trace` (the
-whole trace's mix known in advance, as the paper's simulator does); only fgd weighs a mix. The paper's figure
+whole trace's mix known in advance, as the paper's simulator does); only fgd weighs a mix. An online fgd run
+re-scores every worker for each task (the mix changes each time): minutes, not seconds, per run. The paper's figure
 is column 100 of expected_alloc_ratio_by_policy.csv, mean over seeds 42-51. Placement cost is the wall time of one
 `PlacementIndex.choose` over 1,000 workers x 8 GPUs in a partly used fleet, for each policy.
 """
