@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from turnout.gpu.allocation import GpuGrant
 from turnout.models import Device, Task, Variant
 
 
@@ -22,9 +23,10 @@ class OpenBatch:
     leader: Task
     device: Device
     variant: Variant
-    grant: dict[str, Any] | None
+    grant: GpuGrant | None  # the leader's GPUs, which every rider uses
     gpu_share: float | None
     members: list[str] = field(default_factory=list)  # task ids, the leader first
+    unit_memory_bytes: int | None = None  # the smallest granted unit's memory, as the leader was told
 
     @property
     def full(self) -> bool:
@@ -55,11 +57,12 @@ class BatchBook:
             return None
         return batch if batch.leader.tenant == task.tenant else None
 
-    def start(self, task: Task, device: Device, variant: Variant | None, grant: dict[str, Any] | None,
-              gpu_share: float | None) -> OpenBatch | None:  # fmt: skip
-        if variant is None or variant.max_batch_size <= 1 or task.spec.resources is not None:
+    def start(self, task: Task, device: Device, variant: Variant | None, grant: GpuGrant | None,
+              gpu_share: float | None, unit_memory_bytes: int | None = None) -> OpenBatch | None:  # fmt: skip
+        """Open a batch led by `task`, unless its variant does not batch or the task has resources of its own."""
+        if variant is None or not leads_batch(task, variant):
             return None
-        batch = OpenBatch(task, device, variant, grant, gpu_share, [task.id])
+        batch = OpenBatch(task, device, variant, grant, gpu_share, [task.id], unit_memory_bytes)
         self.open[(task.tenant, task.spec.capability)] = batch
         return batch
 
@@ -75,3 +78,8 @@ class BatchBook:
     def waiting(self, now: float) -> list[OpenBatch]:
         """Batches still short of full whose wait is not over: not leased this time."""
         return [b for b in self.open.values() if b.wait_left_s(now) > 0]
+
+
+def leads_batch(task: Task, variant: Variant) -> bool:
+    """Whether `task`, placed on `variant`, opens a batch: the variant batches and the task asks nothing of its own."""
+    return variant.max_batch_size > 1 and task.spec.resources is None

@@ -564,12 +564,20 @@ def simulate(
     tasks_csv: Path = typer.Option(..., "--tasks", help="Tasks CSV (openb pod list format)."),
     policy: str = typer.Option("fgd", help="Placement policy: fgd (the controller's), bestfit or random."),
     seed: int = typer.Option(42),
-    as_json: bool = typer.Option(False, "--json"),
+    mix: str = typer.Option(
+        "online",
+        help="What fgd weighs fragmentation against: online (the controller's estimate from the GPU tasks "
+        "running, the one being placed and one whole GPU) or trace (the whole trace's mix known in advance, "
+        "as the FGD paper's simulator does).",
+    ),
+    as_json: bool = typer.Option(
+        False, "--json", help='Print {"policy", "seed", "mix", "points": [{"arrived_pct", "allocated_pct"}]}.'
+    ),
 ) -> None:
-    """Replay a workload trace through the controller's own placement code."""
+    """Replay a workload trace through the controller's own placement code, as the controller would place it."""
     from turnout.simulate import main as simulate_main
 
-    raise typer.Exit(simulate_main(nodes, tasks_csv, policy, seed, as_json))
+    raise typer.Exit(simulate_main(nodes, tasks_csv, policy, seed, as_json, mix))
 
 
 @token_app.command("create")

@@ -21,16 +21,11 @@ from turnout.batching import BatchBook
 from turnout.config import ControllerSettings
 from turnout.errors import Conflict, IdempotencyConflict, InvalidInput, NotFound
 from turnout.files import refs_in
-from turnout.gpu.allocation import (
-    GpuGrant,
-    add_grant,
-    gpu_units_of,
-)
+from turnout.gpu.allocation import GpuGrant
 from turnout.models import (
     ACTIVE_STATES,
     Completion,
     Device,
-    GpuMode,
     Lease,
     Task,
     TaskSpec,
@@ -40,7 +35,7 @@ from turnout.models import (
     WorkerState,
     new_id,
 )
-from turnout.routing import ClusterView, Route, WorkerOffer, route, servable
+from turnout.routing import servable
 from turnout.runs import Chains
 from turnout.store import Store
 from turnout.store.files import FileRecord
@@ -69,9 +64,6 @@ RUNNING_AFTER_S = 0.5  # a leased task the worker reports as running is marked s
 UNDELIVERED_AFTER_S = 3.0
 UNDELIVERED_FREE = 5  # lost lease answers a task may have before they count against its max_retries
 KEPT_ROUTING = ("avoid_gpus", "last_error", "undelivered")  # routing history a new lease carries on
-PLACEMENT_SETTLE_S = (
-    1.0  # how long a GPU task waits for the policy's best worker before any fitting one takes it
-)
 # what the audit log records (GET /v1/audit?kind=): append-only, one row per event
 AUDIT_KINDS = frozenset({
     "gpu_allocated", "gpu_released", "gpu_scrubbed", "token_created", "token_revoked", "task_cancelled",
@@ -122,30 +114,6 @@ class Settled:
     accepted: list[str]
     refused: list[str]
     chains: Chains
-
-
-@dataclass(frozen=True)
-class AutoRoute:
-    """`auto`'s verdict for one task on the asking worker: a route, or device None (another class is sooner)."""
-
-    device: Device | None
-    reason: str = ""
-
-
-def _auto_route(
-    fleet: profiles.Fleet, capability: str, offer: WorkerOffer, cluster: ClusterView
-) -> Route | AutoRoute | None:
-    """`auto` with history: the device class with the earliest expected finish, if this worker can run it now.
-    None (no history for both classes, or the chosen class has no live worker): route as `prefer` does."""
-    choice = profiles.choose(fleet.side(capability, Device.CPU), fleet.side(capability, Device.GPU))
-    if choice is None:
-        return None
-    if (choice.device is Device.GPU and not cluster.gpu_possible) or (
-        choice.device is Device.CPU and not cluster.cpu_possible
-    ):
-        return None
-    fits = offer.gpu_fits if choice.device is Device.GPU else offer.cpu_fits
-    return Route(choice.device, choice.reason) if fits else AutoRoute(None, choice.reason)
 
 
 class Controller:
@@ -456,174 +424,52 @@ class Controller:
         if worker.state is not WorkerState.HEALTHY or max_tasks <= 0:
             return LeaseResult([], cancel)
         room = placement.room_of(worker, list(mine.values()))
-        smallest = min((v.resources.cpu for v in worker.variants), default=0.0)
+        smallest = placement.smallest_cpu(worker)
         if room.cpu + 1e-9 < smallest:
             return LeaseResult([], cancel, full=True, backlog=True)  # nothing it offers could fit now
-        workers = [w for w in fleet.values() if w.state is WorkerState.HEALTHY]
-        caps = {v.capability for v in worker.variants}
-        leases: list[Lease] = []
-        updates = []
-        cluster_cache: dict[tuple[str, str, str], ClusterView] = {}
-        fleet_view: placement.Fleet | None = None  # built on the first GPU candidate only
-        gpu_use: dict[str, float] | None = None  # GPUs each tenant holds, read on the first GPU grant only
-        granted: dict[
-            str, int
-        ] = {}  # GPU grants planned in this request per tenant (tokens taken once leased)
-        limits = self.settings.tenant_limits
+        healthy = [w for w in fleet.values() if w.state is WorkerState.HEALTHY]
+        facts = placement.Facts(healthy, _LeaseReads(self, healthy), self.settings.tenant_limits)
         book = BatchBook()  # batched variants: tasks that ride on their leader's grant (batching.py)
-        auto_fleet: profiles.Fleet | None = None  # built on the first `auto` task only
-        serves: dict[str, str] | None = None  # whom each worker serves, read only for warm affinity
         # look a little past what fits (not the whole window) unless the head of the queue is not for us
         slots = min(max_tasks, int((room.cpu + 1e-9) / smallest) if smallest > 0 else max_tasks)
         window = min(self.settings.lease_window, max(16, 4 * slots))
         shares = self._reservations(worker, mine.values(), tenant, now)  # tenancy.Reservations
         if shares is not None and not shares.anyone_may_take(smallest, room.cpu):
             return LeaseResult([], cancel)  # what is free here is kept for tenants with nothing queued
+        placed: list[tuple[Task, placement.Placement]] = []
         seen = 0
-        for task in self._queue(caps, window, tenant):
+        for task in self._queue({v.capability for v in worker.variants}, window, tenant):
             seen += 1
-            if len(leases) >= max_tasks or (room.cpu + 1e-9 < smallest and not book.has_room()):
+            if len(placed) >= max_tasks or (room.cpu + 1e-9 < smallest and not book.has_room()):
                 break
-            offered = worker.offers(task.spec.capability)
-            waited = now - (task.queued_at or task.created_at)
-            key = placement.view_key(task)
-            if key not in cluster_cache:
-                cluster_cache[key] = placement.cluster_view(workers, task)
-            riding = book.joinable(task)
-            if riding is not None:
-                # the batch's grant is taken: the task fits exactly where its leader went, if it may go there
-                ride = WorkerOffer(cpu_variant=Device.CPU in offered, gpu_variant=Device.GPU in offered,
-                                   cpu_fits=riding.device is Device.CPU, gpu_fits=riding.device is Device.GPU)  # fmt: skip
-                routed = route(task.spec.gpu, waited, task.spec.gpu_wait_s, ride, cluster_cache[key])
-                if routed is not None and routed.device is riding.device:
-                    routing = {"requested": task.spec.gpu.value, "device": routed.device.value,
-                               "reason": f"{routed.reason}; batched with {riding.leader.id}"}  # fmt: skip
-                    values = {"state": TaskState.LEASED, "worker_id": worker_id, "device": routed.device,
-                              "gpus": riding.grant, "gpu_model": (riding.grant or {}).get("model"), "routing": routing,
-                              "leased_at": now, "attempts": task.attempts + 1, "unservable_since": None,
-                              "alloc": book.rider_alloc(riding)}  # fmt: skip
-                    updates.append((task.id, (TaskState.QUEUED,), task.attempts, values))
-                    leased = replace(task, state=TaskState.LEASED, worker_id=worker_id, device=routed.device,
-                                     gpus=riding.grant, routing=routing, attempts=task.attempts + 1, leased_at=now)  # fmt: skip
-                    leases.append(
-                        Lease(leased, routed.device, riding.variant.resources, riding.grant, riding.leader.id)
-                    )
-                    riding.members.append(task.id)
-                    continue
-            if room.cpu + 1e-9 < smallest:
+            where = placement.place(task, worker, room, facts, now=now, book=book)
+            if where is None:
                 continue
-            cpu_res = placement.needs(offered.get(Device.CPU), task)
-            gpu_res = placement.needs(offered.get(Device.GPU), task)
-            grant = placement.try_gpu(room, gpu_res, task) if gpu_res else None
-            no_gpu = None  # why the tenant gets no GPU now, though one fits
-            share = gpu_units_of(grant, room.units) if grant is not None else 0.0
-            if grant is not None:
-                quota = limits.of(task.tenant).max_gpus
-                if quota is not None:
-                    gpu_use = self.store.gpu_use_by_tenant() if gpu_use is None else gpu_use
-                    if gpu_use.get(task.tenant, 0.0) + share > quota + 1e-9:
-                        no_gpu = f"tenant {task.tenant} holds its max_gpus {quota:g}"
-                if (
-                    no_gpu is None
-                    and self.gpu_allocations.wait_s(task.tenant, 1 + granted.get(task.tenant, 0)) > 0
-                ):
-                    no_gpu = f"tenant {task.tenant} is over its gpu_allocations_per_min"
-                if no_gpu is not None:
-                    grant = None
-            offer = WorkerOffer(
-                cpu_variant=cpu_res is not None, gpu_variant=gpu_res is not None,
-                cpu_fits=cpu_res is not None and placement.fits(room, cpu_res), gpu_fits=grant is not None,
-            )  # fmt: skip
-            decision: Route | None = None
-            if task.spec.gpu is GpuMode.AUTO:  # earliest expected finish, once profiles exist (profiles.py)
-                auto_fleet = auto_fleet or self._auto_fleet(workers)
-                verdict = _auto_route(auto_fleet, task.spec.capability, offer, cluster_cache[key])
-                if isinstance(verdict, AutoRoute):
-                    if no_gpu is None:
-                        continue  # the other device class finishes it sooner: left for a worker that has it free
-                    # the GPU is sooner but not this tenant's now (quota, rate): the queue estimate knows
-                    # nothing of limits, so route as `prefer` does (wait gpu_wait_s, then the CPU)
-                else:
-                    decision = verdict
-            if decision is None:
-                decision = route(task.spec.gpu, waited, task.spec.gpu_wait_s, offer, cluster_cache[key])
-            if decision is None:
-                continue
-            if profiles.leave_for_warm(worker, workers, task.spec.capability, decision.device, waited):
-                # a worker with the model loaded can take it: leave it there a moment, if that worker may
-                # serve this tenant (read only now: a fresh task on a cold worker with a warm one elsewhere)
-                serves = self.store.worker_tenants() if serves is None else serves
-                theirs = [w for w in workers if worker_serves(serves.get(w.id, ALL_TENANTS), task.tenant)]
-                if profiles.leave_for_warm(worker, theirs, task.spec.capability, decision.device, waited):
-                    continue
-            if decision.device is Device.GPU and gpu_res is not None:
-                fleet_view = fleet_view or self._fleet_view(workers)
-                fleet_view.update(worker_id, room)
-                best = fleet_view.best(gpu_res, task)
-                if (
-                    best not in (None, worker_id)
-                    and now - (task.queued_at or task.created_at) < PLACEMENT_SETTLE_S
-                ):
-                    continue  # another worker fits it better: leave it to that worker for a moment
-            if no_gpu is not None and decision.device is Device.CPU:
-                decision = Route(Device.CPU, f"{no_gpu}; {decision.reason}")
-            last_error = (task.routing or {}).get("last_error") or {}
-            avoided = (task.routing or {}).get("avoid_gpus") or []  # none: the OOM came from a CPU run
-            if last_error.get("type") == "gpu_oom" and decision.device is Device.CPU and avoided:
-                decision = Route(Device.CPU, f"gpu out of memory on {', '.join(avoided)}; {decision.reason}")
-            res = gpu_res if decision.device is Device.GPU else cpu_res
-            assert res is not None  # route() only picks a device whose variant fits
-            if shares is not None and not shares.take(task.tenant, res.cpu, room.cpu):
+            if where.riding is not None:
+                where.riding.members.append(task.id)
+            elif shares is not None and not shares.take(task.tenant, where.resources.cpu, room.cpu):
                 if not book.has_room() and not shares.anyone_may_take(smallest, room.cpu):
                     break  # the rest is kept for tenants with nothing queued: read no further
                 continue  # the rest of this shared worker is another tenant's reserved_share
-            room.cpu -= res.cpu
-            room.memory_bytes -= res.memory_bytes
-            grant_dict = None
-            alloc: dict[str, Any] = {"cpu": res.cpu, "memory": res.memory_bytes}
-            if decision.device is Device.GPU and grant is not None:
-                granted[task.tenant] = granted.get(task.tenant, 0) + 1
-                if gpu_use is not None:
-                    gpu_use[task.tenant] = gpu_use.get(task.tenant, 0.0) + share
-                room.usage = add_grant(room.usage, grant, placement.workload(task), task.tenant)
-                grant_dict = {
-                    **grant.to_dict(),
-                    "unit_memory_bytes": min(u.memory_bytes for u in room.units if u.uuid in grant.uuids),
-                }
-                alloc["gpu_share"] = gpu_units_of(grant, room.units)
-            batch = book.start(
-                task, decision.device, offered.get(decision.device), grant_dict, alloc.get("gpu_share")
-            )
-            if batch is not None:
-                alloc["batch"] = task.id
-            kept = {k: v for k, v in (task.routing or {}).items() if k in KEPT_ROUTING}
-            routing = {
-                **kept,
-                "requested": task.spec.gpu.value,
-                "device": decision.device.value,
-                "reason": decision.reason,
-            }
-            values = {
-                "state": TaskState.LEASED, "worker_id": worker_id, "device": decision.device, "gpus": grant_dict,
-                "gpu_model": grant.model if grant_dict and grant else None, "routing": routing, "leased_at": now,
-                "attempts": task.attempts + 1, "unservable_since": None,
-                "alloc": alloc,
-            }  # fmt: skip
-            updates.append((task.id, (TaskState.QUEUED,), task.attempts, values))
-            leased = replace(task, state=TaskState.LEASED, worker_id=worker_id, device=decision.device,
-                             gpus=grant_dict, routing=routing, attempts=task.attempts + 1, leased_at=now)  # fmt: skip
-            leases.append(Lease(leased, decision.device, res, grant_dict, task.id if batch else None))
+            else:
+                room.take(task, where)
+                facts.record(task, where)
+                if where.batch is placement.BatchRole.LEADER:
+                    book.start(task, where.device, where.variant, where.grant, where.gpu_share,
+                               where.unit_memory_bytes)  # fmt: skip
+            placed.append((task, where))
         retry_in_s = None
-        backlog = seen > len(leases)
+        backlog = seen > len(placed)
         filling = book.waiting(now)  # batches still filling: leased once full or their wait is over
         if filling:
             skip = {tid for b in filling for tid in b.members}
-            updates = [u for u in updates if u[0] not in skip]
-            leases = [lease for lease in leases if lease.task.id not in skip]
+            placed = [(t, p) for t, p in placed if t.id not in skip]
             retry_in_s = min(b.wait_left_s(now) for b in filling)
-        if updates:
-            won = set(self.store.update_tasks(updates))
-            leases = [lease for lease in leases if lease.task.id in won]
+        leases: list[Lease] = []
+        if placed:
+            leased = [_leased(task, where, worker_id, now, book) for task, where in placed]
+            won = set(self.store.update_tasks([change for change, _ in leased]))
+            leases = [lease for _, lease in leased if lease.task.id in won]
             allocated = [lease for lease in leases if lease.grant and lease.batch in (None, lease.task.id)]
             for lease in allocated:  # a batch still filling or a lost race allocated nothing: no token taken
                 self.gpu_allocations.take(lease.task.tenant)
@@ -642,17 +488,6 @@ class Controller:
             held[t.tenant] = held.get(t.tenant, 0.0) + float((t.alloc or {}).get("cpu", 0))
         queued = self.store.queued_tenants()  # fresh: who may take decides whether the queue is read at all
         return reservations(self.settings.tenant_limits, worker.cpu, held, queued, self._recent.within(now))
-
-    def _auto_fleet(self, workers: Sequence[Worker]) -> profiles.Fleet:
-        """What `gpu: auto` weighs, read once per lease request: profiles, and the work queued and running."""
-        stats = self.store.task_stats((TaskState.QUEUED, *ACTIVE))
-        active = tuple(
-            (r["capability"], r["device"], r["count"])
-            for r in stats
-            if r["state"] != "queued" and r["device"]
-        )
-        queued = tuple((r["capability"], r["gpu_mode"], r["count"]) for r in stats if r["state"] == "queued")
-        return profiles.Fleet(tuple(self.runs.store.profiles()), tuple(workers), active, queued)
 
     def _requeue_undelivered(self, tasks: Sequence[Task], now: float) -> list[str]:
         """Put back leases whose answer never reached their worker; returns the ids that changed.
@@ -722,13 +557,6 @@ class Controller:
             if t.worker_id != worker_id or stopped_here or t.state in ACTIVE_STATES:
                 out.append(t.id)
         return out
-
-    def _fleet_view(self, workers: Sequence[Worker]) -> placement.Fleet:
-        gpu_workers = [w for w in workers if w.gpus and any(v.device is Device.GPU for v in w.variants)]
-        active: dict[str, list[Task]] = {}
-        for t in self.store.active_tasks([w.id for w in gpu_workers]):
-            active.setdefault(t.worker_id or "", []).append(t)
-        return placement.Fleet(self.settings.placement_policy, gpu_workers, active)
 
     # ---- results -----------------------------------------------------------------------------
 
@@ -1197,3 +1025,63 @@ def _no_capacity(task: Task) -> dict[str, Any]:
     return {"type": "no_capacity",
             "message": f"no live worker offers a variant of {task.spec.capability!r} that gpu={task.spec.gpu.value} "
                        "allows and that fits, for the task's whole placement_timeout_s"}  # fmt: skip
+
+
+def _leased(task: Task, where: placement.Placement, worker_id: str, now: float,
+            book: BatchBook) -> tuple[Change, Lease]:  # fmt: skip
+    """The row change that leases `task` as placed, and what the worker receives for it."""
+    gpus = where.gpus()
+    kept = {k: v for k, v in (task.routing or {}).items() if k in KEPT_ROUTING}
+    routing = {**kept, "requested": task.spec.gpu.value, "device": where.device.value, "reason": where.reason}
+    if where.riding is not None:
+        alloc = book.rider_alloc(where.riding)
+        lease_batch: str | None = where.riding.leader.id
+    else:
+        alloc = {"cpu": where.resources.cpu, "memory": where.resources.memory_bytes}
+        if where.grant is not None:
+            alloc["gpu_share"] = where.gpu_share
+        lease_batch = task.id if where.batch is placement.BatchRole.LEADER else None
+        if lease_batch is not None:
+            alloc["batch"] = task.id
+    values = {"state": TaskState.LEASED, "worker_id": worker_id, "device": where.device, "gpus": gpus,
+              "gpu_model": where.grant.model if where.grant else None, "routing": routing, "leased_at": now,
+              "attempts": task.attempts + 1, "unservable_since": None, "alloc": alloc}  # fmt: skip
+    leased = replace(task, state=TaskState.LEASED, worker_id=worker_id, device=where.device, gpus=gpus,
+                     routing=routing, attempts=task.attempts + 1, leased_at=now)  # fmt: skip
+    return (task.id, (TaskState.QUEUED,), task.attempts, values), Lease(
+        leased, where.device, where.resources, gpus, lease_batch
+    )
+
+
+class _LeaseReads:
+    """`placement.Reads` from this controller's store, for one lease request (`placement.Facts` keeps each)."""
+
+    def __init__(self, ctrl: Controller, healthy: Sequence[Worker]) -> None:
+        self.ctrl = ctrl
+        self.healthy = healthy
+
+    def gpu_use(self) -> Mapping[str, float]:
+        return self.ctrl.store.gpu_use_by_tenant()
+
+    def gpu_rate_wait_s(self, tenant: str, n: int) -> float:
+        return self.ctrl.gpu_allocations.wait_s(tenant, n)
+
+    def worker_tenants(self) -> Mapping[str, str]:
+        return self.ctrl.store.worker_tenants()
+
+    def auto_fleet(self) -> profiles.Fleet:
+        stats = self.ctrl.store.task_stats((TaskState.QUEUED, *ACTIVE))
+        active = tuple(
+            (r["capability"], r["device"], r["count"])
+            for r in stats
+            if r["state"] != "queued" and r["device"]
+        )
+        queued = tuple((r["capability"], r["gpu_mode"], r["count"]) for r in stats if r["state"] == "queued")
+        return profiles.Fleet(tuple(self.ctrl.runs.store.profiles()), tuple(self.healthy), active, queued)
+
+    def gpu_fleet(self) -> placement.Fleet:
+        gpu_workers = [w for w in self.healthy if w.gpus and any(v.device is Device.GPU for v in w.variants)]
+        active: dict[str, list[Task]] = {}
+        for t in self.ctrl.store.active_tasks([w.id for w in gpu_workers]):
+            active.setdefault(t.worker_id or "", []).append(t)
+        return placement.Fleet(self.ctrl.settings.placement_policy, gpu_workers, active)

@@ -1,34 +1,47 @@
-"""Where a task fits: a worker's free room, what the cluster could serve, and the fleet-wide GPU choice.
+"""Where a task goes: `place` decides, for one queued task and the worker asking for work, the device, the
+resources and GPUs it takes there and why, or that it stays queued.
 
-Pure decisions over records the controller hands in (workers, their active tasks): no store, no clock.
-`gpu/allocation.py` picks GPUs within one worker; `gpu/policies.py` scores workers; this module applies both
-to tasks and variants, so the controller only gathers facts and writes outcomes.
+Pure decisions over records the controller hands in (the worker, its free `Room`, the cluster's `Facts`): no
+store, no clock. `gpu/allocation.py` picks GPUs within one worker, `gpu/policies.py` scores workers, `routing.py`
+reads the `gpu` field, `profiles.py` weighs `auto` and warm processes, `batching.py` books batches; `place`
+applies them all in one order, so the controller only loops over its queue, calls `place`, applies the room
+change and writes. `turnout simulate` goes through the same fleet choice (`Fleet.best`, `online_mix`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
-from typing import Any
+import enum
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
+from turnout import profiles
+from turnout.access import ALL_TENANTS, worker_serves
+from turnout.batching import BatchBook, OpenBatch, leads_batch
 from turnout.errors import InvalidInput
 from turnout.gpu.allocation import (
     GpuGrant,
     GpuRequest,
     Strategy,
+    add_grant,
     allocate,
     fits_ever,
+    gpu_units_of,
     usage_from_grants,
 )
 from turnout.gpu.devices import GpuDevice, GpuUnit, MigDevice, units_of
-from turnout.gpu.policies import Host, PlacementIndex, make_policy, typical_mix
-from turnout.models import Device, Task, Variant, Worker
+from turnout.gpu.policies import Host, PlacementIndex, Typicals, make_policy, typical_mix
+from turnout.models import Device, GpuMode, Task, Variant, Worker
 from turnout.resources import Resources
-from turnout.routing import ClusterView
+from turnout.routing import ClusterView, Route, WorkerOffer, route
+from turnout.tenancy import LimitsTable
 
 # Live placement estimates FGD's typical tasks from what runs now; one whole-GPU task is always among them,
 # so a share is not put on a free GPU while a partly used one fits it (as a trace's mix would also say).
 WHOLE_GPU = GpuRequest(count=1)
+PLACEMENT_SETTLE_S = (
+    1.0  # how long a GPU task waits for the policy's best worker before any fitting one takes it
+)
 
 
 @dataclass
@@ -40,6 +53,15 @@ class Room:
     units: list[GpuUnit]
     usage: dict[str, Any]
     strategy: Strategy
+
+    def take(self, task: Task, placed: Placement) -> None:
+        """What `placed` holds leaves the room (a rider holds nothing of its own: its leader took it)."""
+        if placed.riding is not None:
+            return
+        self.cpu -= placed.resources.cpu
+        self.memory_bytes -= placed.resources.memory_bytes
+        if placed.grant is not None:
+            self.usage = add_grant(self.usage, placed.grant, workload(task), task.tenant)
 
 
 def devices_from_dicts(gpus: Iterable[dict[str, Any]]) -> list[GpuDevice]:
@@ -116,14 +138,19 @@ class Fleet:
         if (task.routing or {}).get("avoid_gpus"):
             return None  # an OOM retry goes wherever it fits; the policy does not know about avoided GPUs
         request = GpuRequest.from_resources(res, workload(task), task.tenant)
-        if self.index is None:  # the typical mix is about shapes, not owners
-            mix = typical_mix([*self.running, replace(request, tenant=None), WHOLE_GPU])
-            policy = make_policy(self.policy, mix=mix)
+        if self.index is None:
+            policy = make_policy(self.policy, mix=online_mix(self.running, request))
             self.index = PlacementIndex(policy)
             for worker_id, room in self.rooms.items():
                 self.index.upsert(worker_id, room.units, room.usage, Host(room.cpu, room.memory_bytes))
         choice = self.index.choose(request)
         return str(choice[0]) if choice else None
+
+
+def online_mix(running: Iterable[GpuRequest], request: GpuRequest) -> Typicals:
+    """FGD's typical tasks as a live cluster knows them: the GPU tasks running now, the one being placed and
+    one whole GPU. The controller's fleet choice and `turnout simulate --mix online` both weigh this."""
+    return typical_mix([*running, replace(request, tenant=None), WHOLE_GPU])  # shapes, not owners
 
 
 def grant_holders(active: Sequence[Task]) -> list[Task]:
@@ -187,3 +214,242 @@ def strategy_of(name: str) -> Strategy:
         return Strategy(name)
     except ValueError:
         raise InvalidInput(f"strategy: {name!r} is not pack or spread", field="strategy") from None
+
+
+def smallest_cpu(worker: Worker) -> float:
+    """The fewest cores any variant of the worker asks: with less free, only a batch rider can still go."""
+    return min((v.resources.cpu for v in worker.variants), default=0.0)
+
+
+# ---- one task's placement ----------------------------------------------------------------------------
+
+
+class Reads(Protocol):
+    """The cluster facts `place` may need, read only when a task needs them (each costs a store read)."""
+
+    def gpu_use(self) -> Mapping[str, float]:
+        """GPUs each tenant holds now (a share counts its fraction)."""
+        ...
+
+    def gpu_rate_wait_s(self, tenant: str, n: int) -> float:
+        """How long the tenant waits before `n` more GPU allocations fit its rate (0: now)."""
+        ...
+
+    def auto_fleet(self) -> profiles.Fleet:
+        """What `gpu: auto` weighs: run-time profiles and the work queued and running."""
+        ...
+
+    def gpu_fleet(self) -> Fleet:
+        """Every healthy GPU worker's room, scored by the placement policy."""
+        ...
+
+    def worker_tenants(self) -> Mapping[str, str]:
+        """Whom each worker serves (ALL_TENANTS: every tenant)."""
+        ...
+
+
+@dataclass
+class Facts:
+    """What one lease request knows beyond the asking worker: the healthy workers, tenant limits and, read on
+    the first task that needs them and kept for the rest of the request, the `Reads`. It also counts what this
+    request has granted so far (`record`), so quotas and rates see the request's own grants."""
+
+    workers: Sequence[Worker]  # the healthy ones
+    reads: Reads
+    limits: LimitsTable = field(default_factory=LimitsTable)
+    granted: dict[str, int] = field(default_factory=dict)  # GPU grants planned in this request, per tenant
+    planned_gpus: dict[str, float] = field(default_factory=dict)  # GPUs those grants hold, per tenant
+    _views: dict[tuple[str, str, str], ClusterView] = field(default_factory=dict)
+    _gpu_use: Mapping[str, float] | None = None
+    _auto: profiles.Fleet | None = None
+    _fleet: Fleet | None = None
+    _serves: Mapping[str, str] | None = None
+
+    def cluster(self, task: Task) -> ClusterView:
+        key = view_key(task)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = cluster_view(self.workers, task)
+        return view
+
+    def auto(self) -> profiles.Fleet:
+        if self._auto is None:
+            self._auto = self.reads.auto_fleet()
+        return self._auto
+
+    def fleet(self) -> Fleet:
+        if self._fleet is None:
+            self._fleet = self.reads.gpu_fleet()
+        return self._fleet
+
+    def serves(self) -> Mapping[str, str]:
+        if self._serves is None:
+            self._serves = self.reads.worker_tenants()
+        return self._serves
+
+    def gpu_refusal(self, tenant: str, share: float) -> str | None:
+        """Why the tenant gets no GPU now though one fits (its `max_gpus`, its GPU allocation rate); None: it may."""
+        quota = self.limits.of(tenant).max_gpus
+        if quota is not None:
+            if self._gpu_use is None:
+                self._gpu_use = self.reads.gpu_use()
+            held = self._gpu_use.get(tenant, 0.0) + self.planned_gpus.get(tenant, 0.0)
+            if held + share > quota + 1e-9:
+                return f"tenant {tenant} holds its max_gpus {quota:g}"
+        if self.reads.gpu_rate_wait_s(tenant, 1 + self.granted.get(tenant, 0)) > 0:
+            return f"tenant {tenant} is over its gpu_allocations_per_min"
+        return None
+
+    def record(self, task: Task, placed: Placement) -> None:
+        """Count a placement's GPU grant against its tenant for the rest of this request."""
+        if placed.grant is not None and placed.riding is None:
+            self.granted[task.tenant] = self.granted.get(task.tenant, 0) + 1
+            self.planned_gpus[task.tenant] = self.planned_gpus.get(task.tenant, 0.0) + (
+                placed.gpu_share or 0.0
+            )
+
+
+class BatchRole(str, enum.Enum):
+    SOLO = "solo"  # runs alone
+    LEADER = "leader"  # opens a batch: later tasks of its tenant and capability may ride on its grant
+    RIDER = "rider"  # rides on an open batch's grant and takes nothing of its own
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one task goes on the asking worker and what it holds there; the record the controller writes."""
+
+    device: Device
+    variant: Variant  # the variant that runs it
+    resources: (
+        Resources  # what it asks of the worker (a rider: its leader's variant's, held once by the leader)
+    )
+    reason: str  # routing.reason
+    grant: GpuGrant | None = None  # its GPUs (a rider: its leader's)
+    unit_memory_bytes: int | None = None  # the smallest granted unit's memory (the worker's memory fraction)
+    gpu_share: float | None = None  # GPUs' worth the grant holds (what its cost and quota count)
+    batch: BatchRole = BatchRole.SOLO
+    riding: OpenBatch | None = None  # a rider's batch
+
+    def gpus(self) -> dict[str, Any] | None:
+        """The grant as the task row and the worker carry it."""
+        if self.grant is None:
+            return None
+        return {**self.grant.to_dict(), "unit_memory_bytes": self.unit_memory_bytes}
+
+
+def place(task: Task, worker: Worker, room: Room, facts: Facts, *, now: float,
+          book: BatchBook | None = None) -> Placement | None:  # fmt: skip
+    """Where `task` goes on `worker` now, or None to leave it queued (for another worker, or for later).
+
+    In order: a ride on an open batch of its tenant and capability; the GPUs that fit here, withheld when the
+    tenant is at its `max_gpus` or over its GPU allocation rate; the `gpu` field (`auto` by expected finish,
+    else `routing.route`); warm affinity (a moment for a worker with the model loaded that may serve the
+    tenant); the fleet's choice (a moment for the policy's best GPU worker). Nothing here changes `room` or
+    `facts`: the caller applies a placement with `room.take` and `facts.record`.
+    """
+    offered = worker.offers(task.spec.capability)
+    waited = now - (task.queued_at or task.created_at)
+    cluster = facts.cluster(task)
+    riding = book.joinable(task) if book is not None else None
+    if riding is not None:
+        ride = _ride(task, riding, offered, waited, cluster)
+        if ride is not None:
+            return ride
+    if room.cpu + 1e-9 < smallest_cpu(worker):
+        return None
+    cpu_res = needs(offered.get(Device.CPU), task)
+    gpu_res = needs(offered.get(Device.GPU), task)
+    grant = try_gpu(room, gpu_res, task) if gpu_res else None
+    share = gpu_units_of(grant, room.units) if grant is not None else 0.0
+    no_gpu = facts.gpu_refusal(task.tenant, share) if grant is not None else None
+    if no_gpu is not None:
+        grant = None
+    offer = WorkerOffer(
+        cpu_variant=cpu_res is not None, gpu_variant=gpu_res is not None,
+        cpu_fits=cpu_res is not None and fits(room, cpu_res), gpu_fits=grant is not None,
+    )  # fmt: skip
+    decision: Route | None = None
+    if task.spec.gpu is GpuMode.AUTO:  # earliest expected finish, once profiles exist (profiles.py)
+        verdict = auto_route(facts.auto(), task.spec.capability, offer, cluster)
+        if isinstance(verdict, AutoRoute):
+            if no_gpu is None:
+                return None  # the other device class finishes it sooner: left for a worker that has it free
+            # the GPU is sooner but not this tenant's now (quota, rate): the queue estimate knows nothing
+            # of limits, so route as `prefer` does (wait gpu_wait_s, then the CPU)
+        else:
+            decision = verdict
+    if decision is None:
+        decision = route(task.spec.gpu, waited, task.spec.gpu_wait_s, offer, cluster)
+    if decision is None or _leave_for_warm(task, worker, facts, decision.device, waited):
+        return None
+    if decision.device is Device.GPU and gpu_res is not None:
+        fleet = facts.fleet()
+        fleet.update(worker.id, room)
+        best = fleet.best(gpu_res, task)
+        if best not in (None, worker.id) and waited < PLACEMENT_SETTLE_S:
+            return None  # another worker fits it better: leave it to that worker for a moment
+    reason = decision.reason
+    if no_gpu is not None and decision.device is Device.CPU:
+        reason = f"{no_gpu}; {reason}"
+    last_error = (task.routing or {}).get("last_error") or {}
+    avoided = (task.routing or {}).get("avoid_gpus") or []  # none: the OOM came from a CPU run
+    if last_error.get("type") == "gpu_oom" and decision.device is Device.CPU and avoided:
+        reason = f"gpu out of memory on {', '.join(avoided)}; {reason}"
+    res = gpu_res if decision.device is Device.GPU else cpu_res
+    variant = offered.get(decision.device)
+    if res is None or variant is None:  # route() only picks a device whose variant fits
+        return None
+    batch = BatchRole.LEADER if leads_batch(task, variant) else BatchRole.SOLO
+    if decision.device is not Device.GPU or grant is None:
+        return Placement(decision.device, variant, res, reason, batch=batch)
+    unit_memory = min(u.memory_bytes for u in room.units if u.uuid in grant.uuids)
+    return Placement(decision.device, variant, res, reason, grant, unit_memory, share, batch)
+
+
+def _ride(task: Task, riding: OpenBatch, offered: Mapping[Device, Variant], waited: float,
+          cluster: ClusterView) -> Placement | None:  # fmt: skip
+    """The batch's grant is taken: the task fits exactly where its leader went, if its `gpu` value lets it."""
+    ride = WorkerOffer(cpu_variant=Device.CPU in offered, gpu_variant=Device.GPU in offered,
+                       cpu_fits=riding.device is Device.CPU, gpu_fits=riding.device is Device.GPU)  # fmt: skip
+    routed = route(task.spec.gpu, waited, task.spec.gpu_wait_s, ride, cluster)
+    if routed is None or routed.device is not riding.device:
+        return None
+    return Placement(riding.device, riding.variant, riding.variant.resources,
+                     f"{routed.reason}; batched with {riding.leader.id}", riding.grant, riding.unit_memory_bytes,
+                     riding.gpu_share, BatchRole.RIDER, riding)  # fmt: skip
+
+
+def _leave_for_warm(task: Task, worker: Worker, facts: Facts, device: Device, waited: float) -> bool:
+    """Warm affinity: a worker with the model loaded that may serve this tenant takes it after a moment.
+    Whom workers serve is read only when a warm worker elsewhere could take it at all."""
+    capability = task.spec.capability
+    if not profiles.leave_for_warm(worker, facts.workers, capability, device, waited):
+        return False
+    serves = facts.serves()
+    theirs = [w for w in facts.workers if worker_serves(serves.get(w.id, ALL_TENANTS), task.tenant)]
+    return profiles.leave_for_warm(worker, theirs, capability, device, waited)
+
+
+@dataclass(frozen=True)
+class AutoRoute:
+    """`auto`'s verdict for one task on the asking worker: a route, or device None (another class is sooner)."""
+
+    device: Device | None
+    reason: str = ""
+
+
+def auto_route(
+    fleet: profiles.Fleet, capability: str, offer: WorkerOffer, cluster: ClusterView
+) -> Route | AutoRoute | None:
+    """`auto` with history: the device class with the earliest expected finish, if this worker can run it now.
+    None (no history for both classes, or the chosen class has no live worker): route as `prefer` does."""
+    choice = profiles.choose(fleet.side(capability, Device.CPU), fleet.side(capability, Device.GPU))
+    if choice is None:
+        return None
+    if (choice.device is Device.GPU and not cluster.gpu_possible) or (
+        choice.device is Device.CPU and not cluster.cpu_possible
+    ):
+        return None
+    fits = offer.gpu_fits if choice.device is Device.GPU else offer.cpu_fits
+    return Route(choice.device, choice.reason) if fits else AutoRoute(None, choice.reason)

@@ -26,8 +26,10 @@ from typing import Any
 from turnout.errors import InvalidInput
 from turnout.gpu.allocation import GpuRequest, add_grant
 from turnout.gpu.devices import GpuUnit
-from turnout.gpu.policies import Host, PlacementIndex, make_policy, typical_mix
+from turnout.gpu.policies import Fragments, Host, PlacementIndex, make_policy, typical_mix
+from turnout.placement import online_mix
 
+MIXES = ("online", "trace")  # `--mix`: the controller's live estimate, or the whole trace's (the paper's)
 TUNE_RATIO = 1.3
 MAX_ARRIVED_PCT = 130
 MODEL_MEMORY_GB: dict[str, int] = {
@@ -83,6 +85,7 @@ class TraceTask:
 class SimulationResult:
     policy: str
     seed: int
+    mix: str  # online or trace: what FGD weighs fragmentation against
     points: list[tuple[int, float]]  # (arrived %, allocated %)
     tasks: int = 0
     failed: int = 0
@@ -96,6 +99,7 @@ class SimulationResult:
         return {
             "policy": self.policy,
             "seed": self.seed,
+            "mix": self.mix,
             "points": [{"arrived_pct": x, "allocated_pct": y} for x, y in self.points],
         }
 
@@ -201,16 +205,27 @@ def curve(events: Sequence[tuple[int, int]], capacity_milli: int) -> list[tuple[
 
 
 def simulate(
-    nodes: Sequence[TraceNode], tasks: Sequence[TraceTask], policy: str, seed: int
+    nodes: Sequence[TraceNode], tasks: Sequence[TraceTask], policy: str, seed: int, mix: str = "online"
 ) -> SimulationResult:
-    """Replay `tasks` on `nodes` under `policy` (see module docstring); deterministic for a given seed."""
+    """Replay `tasks` on `nodes` under `policy` (see module docstring); deterministic for a given seed.
+
+    `mix` is what FGD weighs fragmentation against: `online` (as the controller does, `placement.online_mix`:
+    the GPU tasks placed so far, the one being placed and one whole GPU, anew for each task) or `trace` (the
+    whole trace's mix, known in advance, as the FGD paper's simulator does). Other policies ignore it.
+    """
+    if mix not in MIXES:
+        raise InvalidInput(f"mix: unknown {mix!r} (known: {', '.join(MIXES)})", field="mix")
     rng = random.Random(seed)
     capacity_milli = sum(n.gpus for n in nodes) * 1000
     if capacity_milli == 0:
         raise InvalidInput("nodes: the cluster has no GPU", field="nodes")
-    mix = typical_mix(t.request() for t in sorted(tasks, key=lambda t: t.name))
+    trace_mix = (
+        typical_mix(t.request() for t in sorted(tasks, key=lambda t: t.name)) if mix == "trace" else ()
+    )
     sequence = task_sequence(tasks, capacity_milli, rng)
-    index = PlacementIndex(make_policy(policy, mix=mix, rng=rng), rng)
+    fragments = Fragments()  # what each task shape leaves unusable per node state, whatever the mix
+    index = PlacementIndex(make_policy(policy, mix=trace_mix, rng=rng, fragments=fragments), rng)
+    running: list[GpuRequest] = []  # the GPU tasks placed so far: with no departures, all still run
     ordered = sorted(nodes, key=lambda n: n.name)
     perm = list(range(len(ordered)))
     rng.shuffle(perm)  # per-seed random node order: ties go to the first node in it
@@ -224,6 +239,8 @@ def simulate(
     for task in sequence:
         request = task.request()
         arrived += task.gpu_demand_milli
+        if mix == "online" and index.policy.weighs_mix:
+            index.use(make_policy(policy, mix=online_mix(running, request), rng=rng, fragments=fragments))
         choice = index.choose(request)
         if choice is None:
             failed += 1
@@ -235,12 +252,14 @@ def simulate(
             if grant is not None:
                 usage = add_grant(usage, grant, None)
                 used += task.gpu_demand_milli
+                running.append(request)
             host = Host(cpu_left[str(name)] / 1000, mem_left[str(name)] * 2**20)
             index.upsert(name, units, usage, host)
         events.append((arrived, used))
     return SimulationResult(
         policy,
         seed,
+        mix,
         curve(events, capacity_milli),
         len(sequence),
         failed,
@@ -249,20 +268,22 @@ def simulate(
     )
 
 
-def run_simulation(nodes_csv: Path, tasks_csv: Path, policy: str, seed: int) -> SimulationResult:
-    return simulate(load_nodes(Path(nodes_csv)), load_tasks(Path(tasks_csv)), policy, seed)
+def run_simulation(
+    nodes_csv: Path, tasks_csv: Path, policy: str, seed: int, mix: str = "online"
+) -> SimulationResult:
+    return simulate(load_nodes(Path(nodes_csv)), load_tasks(Path(tasks_csv)), policy, seed, mix)
 
 
-def main(nodes: Path, tasks: Path, policy: str, seed: int, as_json: bool) -> int:
+def main(nodes: Path, tasks: Path, policy: str, seed: int, as_json: bool, mix: str = "online") -> int:
     """`turnout simulate`: print the curve as JSON or as a table every 10 % of arrived demand."""
-    result = run_simulation(nodes, tasks, policy, seed)
+    result = run_simulation(nodes, tasks, policy, seed, mix)
     if as_json:
         print(json.dumps(result.to_json()))
         return 0
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{tasks.name} on {nodes.name}: policy {policy}, seed {seed}")
+    table = Table(title=f"{tasks.name} on {nodes.name}: policy {policy}, seed {seed}, mix {mix}")
     table.add_column("arrived GPU demand %", justify="right")
     table.add_column("GPU allocated %", justify="right")
     for x, y in result.points:

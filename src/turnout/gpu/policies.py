@@ -4,7 +4,9 @@
 the controller and the trace simulator (`turnout simulate`) go through `PlacementIndex.choose`, so the
 benchmark measures the production code path.
 
-Policies score one node for one request (higher is better; None = cannot host it now):
+A policy is a score function over one `Node` record (its units, their usage, its free CPU and memory) and a
+rule for which units a fitting node hands out; feasibility is shared (`Policy.evaluate`). Higher is better;
+None = the node cannot host the request now:
 * `random`: a uniform feasible node and a uniform fitting unit (the paper's baseline).
 * `bestfit`: the node left with the least CPU and GPU after placement (paper's BestFit, integer score).
 * `fgd`: Fragmentation Gradient Descent (Weng et al., ATC'23), faithful to the authors' simulator: the node
@@ -24,9 +26,8 @@ import bisect
 import math
 import random
 import sys
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 from turnout.errors import InvalidInput
 from turnout.gpu.allocation import (
@@ -92,74 +93,115 @@ def _left_ppm(unit: GpuUnit, used: UnitUsage) -> int:
     return (unit.memory_bytes - used.memory_bytes) * PPM // unit.memory_bytes
 
 
-class FragmentationMeter:
-    """FGD's expected fragmentation of a node against a typical-task mix, in ppm of a GPU.
+@dataclass(frozen=True)
+class Node:
+    """One worker as a policy scores it: its GPU units, what is held on them, and its free CPU and memory."""
 
-    For each typical task: if it could be placed on the node now, the free memory of the units it cannot
-    use is fragment; if it cannot (wrong model, too little CPU, too little room, or a CPU-only task), all
-    free GPU memory of the node is fragment. Weighted by the task's popularity. Results are memoised on
-    the node's state with units in canonical order (fragmentation is a function of the multiset).
-    """
+    units: Sequence[GpuUnit]
+    usage: Mapping[str, UnitUsage]
+    host: Host = Host()
 
-    def __init__(self, mix: Typicals) -> None:
-        self.mix = mix
+    def holding(self, request: GpuRequest, grant: GpuGrant | None) -> Node:
+        """The node once `grant` (for `request`) is held on it."""
+        usage = (
+            add_grant(self.usage, grant, request.workload, request.tenant)
+            if grant is not None
+            else self.usage
+        )
+        host = Host(self.host.cpu_free - request.cpu, self.host.memory_free_bytes - request.host_memory_bytes)
+        return Node(self.units, usage, host)
+
+
+class Fragments:
+    """Each typical task's fragment of a node state, in ppm of a GPU, memoised on the state with units in
+    canonical order (fragmentation is a function of the multiset). Independent of the shapes' popularity, so
+    one cache serves every mix: the online mix changes with each task, the shapes in it seldom do."""
+
+    def __init__(self) -> None:
+        self._memo: dict[tuple[object, ...], dict[int, int]] = {}
         self._accepts: dict[tuple[int, str, int, bool, bool, str | None], bool] = {}
-        self._memo: dict[tuple[object, ...], float] = {}
         self._needs: dict[tuple[int, int], int] = {}
+        self.shapes: list[GpuRequest] = []  # a shape's id is its position here
+        self._ids: dict[GpuRequest, int] = {}
 
-    def _unit_accepts(self, i: int, unit: GpuUnit) -> bool:
+    def id_of(self, shape: GpuRequest) -> int:
+        found = self._ids.get(shape)
+        if found is None:
+            found = self._ids[shape] = len(self.shapes)
+            self.shapes.append(shape)
+        return found
+
+    def of(self, node: Node, cpu_free: float) -> dict[int, int]:
+        """The node state's fragments by shape id, as far as measured (`fragment` fills in the rest)."""
+        state = [(u.model, u.memory_bytes, u.is_mig, u.healthy, u.compute_capability, node.usage.get(u.uuid, _EMPTY), k)
+                 for k, u in enumerate(node.units)]  # fmt: skip
+        state.sort(
+            key=lambda s: (s[0], s[1], s[5].memory_bytes, s[5].exclusive, s[5].tasks, s[2], s[3], s[6])
+        )
+        key = (tuple(s[:6] for s in state), cpu_free)
+        memo = self._memo.get(key)
+        if memo is None:
+            if len(self._memo) > _MEMO_LIMIT:
+                self._memo.clear()
+            memo = self._memo[key] = {}
+        return memo
+
+    def fragment(self, i: int, node: Node, cpu_free: float) -> int:
+        """Free GPU memory (ppm) that task shape `t` could not use on the node: the free memory of units it
+        cannot use if it could be placed now, else all of it (wrong model, too little CPU or room, no GPU)."""
+        t = self.shapes[i]
+        used = [node.usage.get(u.uuid, _EMPTY) for u in node.units]
+        lefts = [_left_ppm(u, x) for u, x in zip(node.units, used, strict=True)]
+        total = sum(lefts)
+        if total == 0 or not t.wants_gpu or t.cpu > cpu_free:
+            return total
+        usable = usable_left = 0
+        for unit, u, left in zip(node.units, used, lefts, strict=True):
+            if left == 0 or not self._accepts_unit(i, unit):
+                continue
+            if t.exclusive:
+                ok = u.tasks == 0 and not unit.is_mig
+            elif unit.is_mig:
+                ok = u.tasks == 0 and self._need(i, unit) <= unit.memory_bytes
+            else:  # the mix carries no workload labels, so no training/inference clash applies here
+                ok = unit.memory_bytes - u.memory_bytes >= self._need(i, unit)
+            if ok:
+                usable += 1
+                usable_left += left
+        return total - usable_left if usable >= max(t.count, 1) else total
+
+    def _accepts_unit(self, i: int, unit: GpuUnit) -> bool:
         key = (i, unit.model, unit.memory_bytes, unit.is_mig, unit.healthy, unit.compute_capability)
         ok = self._accepts.get(key)
         if ok is None:
-            ok = self._accepts[key] = model_rank(self.mix[i][0], unit) is not None
+            ok = self._accepts[key] = model_rank(self.shapes[i], unit) is not None
         return ok
 
     def _need(self, i: int, unit: GpuUnit) -> int:
         key = (i, unit.memory_bytes)
         need = self._needs.get(key)
         if need is None:
-            need = self._needs[key] = need_bytes(self.mix[i][0], unit)
+            need = self._needs[key] = need_bytes(self.shapes[i], unit)
         return need
 
-    def __call__(self, units: Sequence[GpuUnit], usage: Mapping[str, UnitUsage], cpu_free: float) -> float:
-        state = [(u.model, u.memory_bytes, u.is_mig, u.healthy, u.compute_capability, usage.get(u.uuid, _EMPTY), k)
-                 for k, u in enumerate(units)]  # fmt: skip
-        state.sort(
-            key=lambda s: (s[0], s[1], s[5].memory_bytes, s[5].exclusive, s[5].tasks, s[2], s[3], s[6])
-        )
-        key = (tuple(s[:6] for s in state), cpu_free)
-        frag = self._memo.get(key)
-        if frag is None:
-            if len(self._memo) > _MEMO_LIMIT:
-                self._memo.clear()
-            frag = self._memo[key] = self._measure(units, usage, cpu_free)
-        return frag
 
-    def _measure(self, units: Sequence[GpuUnit], usage: Mapping[str, UnitUsage], cpu_free: float) -> float:
-        used = [usage.get(u.uuid, _EMPTY) for u in units]
-        lefts = [_left_ppm(u, x) for u, x in zip(units, used, strict=True)]
-        total = sum(lefts)
-        if total == 0:
-            return 0.0
+class FragmentationMeter:
+    """FGD's expected fragmentation of a node against a typical-task mix, in ppm of a GPU: each typical task's
+    fragment (`Fragments`) weighted by its popularity."""
+
+    def __init__(self, mix: Typicals, fragments: Fragments | None = None) -> None:
+        self.mix = mix
+        self.fragments = fragments or Fragments()
+        self._weights = [(self.fragments.id_of(t), p) for t, p in mix]
+
+    def __call__(self, node: Node, cpu_free: float) -> float:
+        memo = self.fragments.of(node, cpu_free)
         frag = 0.0
-        for i, (t, p) in enumerate(self.mix):
-            if not t.wants_gpu or t.cpu > cpu_free:
-                frag += p * total
-                continue
-            usable = usable_left = 0
-            for unit, u, left in zip(units, used, lefts, strict=True):
-                if left == 0 or not self._unit_accepts(i, unit):
-                    continue
-                if t.exclusive:
-                    ok = u.tasks == 0 and not unit.is_mig
-                elif unit.is_mig:
-                    ok = u.tasks == 0 and self._need(i, unit) <= unit.memory_bytes
-                else:  # the mix carries no workload labels, so no training/inference clash applies here
-                    ok = unit.memory_bytes - u.memory_bytes >= self._need(i, unit)
-                if ok:
-                    usable += 1
-                    usable_left += left
-            frag += p * (total - usable_left if usable >= max(t.count, 1) else total)
+        for i, p in self._weights:
+            f = memo.get(i)
+            if f is None:
+                f = memo[i] = self.fragments.fragment(i, node, cpu_free)
+            frag += p * f
         return frag
 
 
@@ -175,170 +217,107 @@ class Outcome:
     grant: GpuGrant | None
 
 
-class Policy(Protocol):
+Score = Callable[[GpuRequest, Node, "GpuGrant | None"], float]  # higher is better
+Pick = Callable[[GpuRequest, Node, GpuGrant, Score], Outcome]  # the grant a node that fits hands out
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A placement policy: a score over one node record, and how a fitting node picks its units.
+
+    Feasibility is the same for all: the host must fit, and a GPU request must get units from `allocate`.
+    """
+
     name: str
-    randomized: bool  # True: answers may not be memoised by node state
+    score: Score
+    pick: Pick
+    randomized: bool = False  # True: answers may not be memoised by node state
+    weighs_mix: bool = False  # True: scores depend on the typical-task mix it was made with
 
-    def evaluate(
-        self, request: GpuRequest, units: Sequence[GpuUnit], usage: Mapping[str, UnitUsage], host: Host
-    ) -> Outcome | None: ...
-
-
-def _candidates(
-    request: GpuRequest, units: Sequence[GpuUnit], usage: Mapping[str, UnitUsage]
-) -> list[GpuGrant]:
-    """Every single-unit grant a shared request could take here now (through `allocate`, one unit at a time)."""
-    return [g for u in units if (g := allocate(request, [u], usage)) is not None]
-
-
-class _Base:
-    """Shared feasibility: the host must fit, and a GPU request must get units via `allocate`."""
-
-    name = "base"
-    randomized = False
-
-    def evaluate(
-        self, request: GpuRequest, units: Sequence[GpuUnit], usage: Mapping[str, UnitUsage], host: Host
-    ) -> Outcome | None:
-        if not host_fits(request, host):
+    def evaluate(self, request: GpuRequest, node: Node) -> Outcome | None:
+        """The node's score and grant for `request`, or None when it cannot host it now."""
+        if not host_fits(request, node.host):
             return None
         if not request.wants_gpu:
-            return Outcome(self.score(request, units, usage, host, None), None)
-        grant = allocate(request, units, usage, Strategy.PACK)
-        if grant is None:
+            return Outcome(self.score(request, node, None), None)
+        packed = allocate(request, node.units, node.usage, Strategy.PACK)
+        if packed is None:
             return None
-        return self.choose(request, units, usage, host, grant)
-
-    def choose(
-        self,
-        request: GpuRequest,
-        units: Sequence[GpuUnit],
-        usage: Mapping[str, UnitUsage],
-        host: Host,
-        packed: GpuGrant,
-    ) -> Outcome:
-        """Pick the grant on a node known to fit; by default the best-fit grant from `allocate`."""
-        return Outcome(self.score(request, units, usage, host, packed), packed)
-
-    def score(
-        self,
-        request: GpuRequest,
-        units: Sequence[GpuUnit],
-        usage: Mapping[str, UnitUsage],
-        host: Host,
-        grant: GpuGrant | None,
-    ) -> float:
-        return 0.0
+        return self.pick(request, node, packed, self.score)
 
 
-class RandomPolicy(_Base):
-    """Uniform over feasible nodes (the index draws the node) and over the units that fit."""
+def _candidates(request: GpuRequest, node: Node) -> list[GpuGrant]:
+    """Every single-unit grant a shared request could take here now (through `allocate`, one unit at a time)."""
+    return [g for u in node.units if (g := allocate(request, [u], node.usage)) is not None]
 
-    name = "random"
-    randomized = True
 
-    def __init__(self, rng: random.Random) -> None:
-        self.rng = rng
+def packed_grant(request: GpuRequest, node: Node, packed: GpuGrant, score: Score) -> Outcome:
+    """The best-fit grant `allocate` gives."""
+    return Outcome(score(request, node, packed), packed)
 
-    def choose(
-        self,
-        request: GpuRequest,
-        units: Sequence[GpuUnit],
-        usage: Mapping[str, UnitUsage],
-        host: Host,
-        packed: GpuGrant,
-    ) -> Outcome:
+
+def best_unit(request: GpuRequest, node: Node, packed: GpuGrant, score: Score) -> Outcome:
+    """Whole GPUs: the packed grant (first free GPUs by index, as the FGD paper does); a share: the unit that
+    scores best, the first on ties."""
+    if request.exclusive:
+        return packed_grant(request, node, packed, score)
+    best: Outcome | None = None
+    for grant in _candidates(request, node):
+        s = score(request, node, grant)
+        if best is None or s > best.score:
+            best = Outcome(s, grant)
+    return best or packed_grant(request, node, packed, score)  # `packed` proves a candidate exists
+
+
+def random_unit(rng: random.Random) -> Pick:
+    """A uniformly drawn unit among those a share fits (whole GPUs: the packed grant)."""
+
+    def pick(request: GpuRequest, node: Node, packed: GpuGrant, score: Score) -> Outcome:
         if request.exclusive:
             return Outcome(0.0, packed)
-        return Outcome(0.0, self.rng.choice(_candidates(request, units, usage)))
+        return Outcome(0.0, rng.choice(_candidates(request, node)))
+
+    return pick
 
 
-class BestFitPolicy(_Base):
+def no_score(request: GpuRequest, node: Node, grant: GpuGrant | None) -> float:
+    """Every feasible node alike (the index draws one uniformly)."""
+    return 0.0
+
+
+def bestfit_score(request: GpuRequest, node: Node, grant: GpuGrant | None) -> float:
     """The paper's BestFit: least CPU and GPU left after placement, as an integer 0..100 score."""
-
-    name = "bestfit"
-
-    def score(
-        self,
-        request: GpuRequest,
-        units: Sequence[GpuUnit],
-        usage: Mapping[str, UnitUsage],
-        host: Host,
-        grant: GpuGrant | None,
-    ) -> float:
-        gpu_left = sum(_left_ppm(u, usage.get(u.uuid, _EMPTY)) for u in units) / PPM
-        left = (host.cpu_free - request.cpu) / _CPU_SCALE * 0.5 + (
-            gpu_left - gpu_units_of(grant, units)
-        ) / _GPU_SCALE * 0.5
-        return float(int((1 - left) * 100))
+    gpu_left = sum(_left_ppm(u, node.usage.get(u.uuid, _EMPTY)) for u in node.units) / PPM
+    left = (node.host.cpu_free - request.cpu) / _CPU_SCALE * 0.5 + (
+        gpu_left - gpu_units_of(grant, node.units)
+    ) / _GPU_SCALE * 0.5
+    return float(int((1 - left) * 100))
 
 
-class FgdPolicy(_Base):
-    """Fragmentation Gradient Descent, as in the authors' simulator (score = int(sigmoid(-Δfrag) * 100))."""
+def fgd_score(meter: FragmentationMeter) -> Score:
+    """Fragmentation Gradient Descent, as in the authors' simulator: int(sigmoid(-Δfrag) * 100), Δfrag in GPUs."""
 
-    name = "fgd"
+    def score(request: GpuRequest, node: Node, grant: GpuGrant | None) -> float:
+        before = meter(node, node.host.cpu_free)
+        after = meter(node.holding(request, grant), node.host.cpu_free - request.cpu)
+        return float(int(_sigmoid((before - after) / PPM) * 100))
 
-    def __init__(self, mix: Typicals) -> None:
-        self.meter = FragmentationMeter(mix)
-
-    def gain(
-        self,
-        request: GpuRequest,
-        units: Sequence[GpuUnit],
-        usage: Mapping[str, UnitUsage],
-        host: Host,
-        grant: GpuGrant | None,
-    ) -> float:
-        """Fragmentation removed by placing the request (negative: it adds fragmentation), in GPUs."""
-        before = self.meter(units, usage, host.cpu_free)
-        after_usage = (
-            add_grant(usage, grant, request.workload, request.tenant) if grant is not None else usage
-        )
-        after = self.meter(units, after_usage, host.cpu_free - request.cpu)
-        return (before - after) / PPM
-
-    def score(
-        self,
-        request: GpuRequest,
-        units: Sequence[GpuUnit],
-        usage: Mapping[str, UnitUsage],
-        host: Host,
-        grant: GpuGrant | None,
-    ) -> float:
-        return float(int(_sigmoid(self.gain(request, units, usage, host, grant)) * 100))
-
-    def choose(
-        self,
-        request: GpuRequest,
-        units: Sequence[GpuUnit],
-        usage: Mapping[str, UnitUsage],
-        host: Host,
-        packed: GpuGrant,
-    ) -> Outcome:
-        if request.exclusive:  # whole GPUs: the packed grant (first free GPUs by index), as the paper does
-            return Outcome(self.score(request, units, usage, host, packed), packed)
-        best: Outcome | None = None
-        for grant in _candidates(
-            request, units, usage
-        ):  # a share: the unit that fragments least, first on ties
-            s = self.score(request, units, usage, host, grant)
-            if best is None or s > best.score:
-                best = Outcome(s, grant)
-        assert best is not None  # `packed` proves a candidate exists
-        return best
+    return score
 
 
 POLICY_NAMES = ("random", "bestfit", "fgd")
 
 
-def make_policy(name: str, *, mix: Typicals = (), rng: random.Random | None = None) -> Policy:
-    """A policy by name; `mix` feeds the fragmentation-aware ones, `rng` the random one."""
+def make_policy(
+    name: str, *, mix: Typicals = (), rng: random.Random | None = None, fragments: Fragments | None = None
+) -> Policy:
+    """A policy by name; `mix` (and a shared `fragments` cache) feed FGD, `rng` the random one."""
     if name == "random":
-        return RandomPolicy(rng or random.Random(0))
+        return Policy("random", no_score, random_unit(rng or random.Random(0)), randomized=True)
     if name == "bestfit":
-        return BestFitPolicy()
+        return Policy("bestfit", bestfit_score, packed_grant)
     if name == "fgd":
-        return FgdPolicy(mix)
+        return Policy("fgd", fgd_score(FragmentationMeter(mix, fragments)), best_unit, weighs_mix=True)
     raise InvalidInput(f"policy: unknown {name!r} (known: {', '.join(POLICY_NAMES)})", field="policy")
 
 
@@ -350,7 +329,7 @@ def score_node(
     host: Host | None = None,
 ) -> float | None:
     """One node's score for `request` under `policy`, or None when the node cannot host it now."""
-    outcome = policy.evaluate(request, units, usage, host or Host())
+    outcome = policy.evaluate(request, Node(units, usage, host or Host()))
     return outcome.score if outcome is not None else None
 
 
@@ -362,9 +341,7 @@ _MISSING = object()
 class _Node:
     key: Hashable
     rank: int
-    units: tuple[GpuUnit, ...]
-    usage: dict[str, UnitUsage]
-    host: Host
+    node: Node
     state: int = -1  # id of its state signature in the index
     sig: tuple[object, ...] = ()
 
@@ -397,10 +374,10 @@ class PlacementIndex:
         """Add or update a worker; the first registration fixes its rank for tie-breaks."""
         node = self._nodes.get(key)
         if node is None:
-            node = self._nodes[key] = _Node(key, len(self._nodes), tuple(units), dict(usage), host)
+            node = self._nodes[key] = _Node(key, len(self._nodes), Node(tuple(units), dict(usage), host))
         else:
             self._leave(node)
-            node.units, node.usage, node.host = tuple(units), dict(usage), host
+            node.node = Node(tuple(units), dict(usage), host)
         if self._memo_size > _MEMO_LIMIT:
             self._forget()
         sig = (
@@ -412,9 +389,9 @@ class PlacementIndex:
                     u.healthy,
                     u.compute_capability,
                     u.temperature_c,
-                    node.usage.get(u.uuid, _EMPTY),
+                    usage.get(u.uuid, _EMPTY),
                 )
-                for u in node.units
+                for u in units
             ),
             host.cpu_free,
             host.memory_free_bytes,
@@ -425,6 +402,12 @@ class PlacementIndex:
             node.state = self._state_ids[sig] = self._next_state
             self._next_state += 1
         bisect.insort(self._members.setdefault(node.state, []), (node.rank, key))
+
+    def use(self, policy: Policy) -> None:
+        """Score with `policy` from now on; what was memoised under the previous one is dropped."""
+        self.policy = policy
+        self._memo.clear()
+        self._memo_size = len(self._fits)
 
     def _forget(self) -> None:
         """Drop memoised answers and the ids of states no worker is in, so a long-lived index stays small."""
@@ -448,15 +431,15 @@ class PlacementIndex:
 
     def node(self, key: Hashable) -> tuple[tuple[GpuUnit, ...], dict[str, UnitUsage], Host]:
         n = self._nodes[key]
-        return n.units, n.usage, n.host
+        return tuple(n.node.units), dict(n.node.usage), n.node.host
 
     def _evaluate(self, state: int, request: GpuRequest) -> _Answer:
         """Score the first worker in `state`; the answer holds unit positions so any twin can reuse it."""
         node = self._nodes[self._members[state][0][1]]
-        out = self.policy.evaluate(request, node.units, node.usage, node.host)
+        out = self.policy.evaluate(request, node.node)
         if out is None:
             return None
-        positions = {u.uuid: i for i, u in enumerate(node.units)}
+        positions = {u.uuid: i for i, u in enumerate(node.node.units)}
         return out.score, tuple(positions[x] for x in out.grant.uuids) if out.grant else (), out.grant
 
     def choose(self, request: GpuRequest) -> tuple[Hashable, GpuGrant | None] | None:
@@ -482,7 +465,7 @@ class PlacementIndex:
         template: GpuGrant | None = best[2]  # type: ignore[index]
         if template is None:
             return key, None
-        units = self._nodes[key].units
+        units = self._nodes[key].node.units
         return key, replace(
             template, uuids=tuple(units[i].uuid for i in held), indices=tuple(units[i].index for i in held)
         )
@@ -498,7 +481,7 @@ class PlacementIndex:
             if pick < len(members):
                 key = members[pick][1]
                 n = self._nodes[key]
-                out = self.policy.evaluate(request, n.units, n.usage, n.host)
+                out = self.policy.evaluate(request, n.node)
                 return (key, out.grant) if out is not None else None
             pick -= len(members)
         return None
@@ -507,8 +490,8 @@ class PlacementIndex:
         ok = fits.get(state)
         if ok is None:
             node = self._nodes[self._members[state][0][1]]
-            ok = fits[state] = host_fits(request, node.host) and (
-                not request.wants_gpu or allocate(request, node.units, node.usage) is not None
+            ok = fits[state] = host_fits(request, node.node.host) and (
+                not request.wants_gpu or allocate(request, node.node.units, node.node.usage) is not None
             )
             self._memo_size += 1
         return ok
