@@ -80,6 +80,8 @@ def jittered(delay_s: float) -> float:
 
 
 class Agent:
+    """One worker: its loops, and the books they share (what runs here, what waits to be reported)."""
+
     def __init__(
         self,
         settings: AgentSettings,
@@ -134,6 +136,7 @@ class Agent:
 
     @property
     def worker_id(self) -> str | None:
+        """The id the controller gave this worker (None until registered)."""
         return self.client.worker_id
 
     def offered(self, runnables: list[Runnable]) -> list[Runnable]:
