@@ -264,8 +264,9 @@ def worker(
     from turnout.client import default_token, default_url
     from turnout.gpu.provider import discover
     from turnout.runtime import run_agent_until_signalled
-    from turnout.worker.agent import Agent, AgentSettings, python_runnables
+    from turnout.worker.agent import Agent, AgentSettings
     from turnout.worker.app import load_app
+    from turnout.worker.executors import python_runnables
     from turnout.worker.sandbox import Isolation
     from turnout.worker.sandboxed import SandboxOptions
 

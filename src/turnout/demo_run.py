@@ -53,8 +53,9 @@ def run(out: Console, err: Console) -> int:
     from turnout.client import Client
     from turnout.demo import CONFIG
     from turnout.runtime import build_controller, wait_healthy
-    from turnout.worker.agent import Agent, AgentSettings, python_runnables
+    from turnout.worker.agent import Agent, AgentSettings
     from turnout.worker.app import load_app
+    from turnout.worker.executors import python_runnables
 
     logging.getLogger("turnout").setLevel(logging.ERROR)
     port = _free_port()

@@ -28,8 +28,9 @@ from turnout.gpu.provider import discover
 from turnout.models import Device, TaskSpec, Variant
 from turnout.resources import parse_resources
 from turnout.store import open_store
-from turnout.worker.agent import Agent, AgentSettings, Runnable
-from turnout.worker.processes import EventSink, Outcome, ProcessPool, ProtocolProcess
+from turnout.worker.agent import Agent, AgentSettings
+from turnout.worker.pools import ProcessPool, Runnable
+from turnout.worker.processes import EventSink, Outcome, ProtocolProcess
 
 CONFIG = """
 pipelines:
@@ -390,7 +391,7 @@ def test_a_cancel_answers_only_the_tasks_started_before_its_request_was_sent(con
         finally:
             for r in agent.runnables.values():
                 await r.pool.close()
-            await agent.http.aclose()
+            await agent.client.aclose()
             agent.files.close()
 
     asyncio.run(go())

@@ -18,8 +18,9 @@ import httpx
 from turnout.gpu.provider import discover
 from turnout.models import Device, Variant
 from turnout.resources import parse_resources
-from turnout.worker.agent import Agent, AgentSettings, Runnable
-from turnout.worker.processes import EventSink, Outcome, ProcessPool, ProtocolProcess
+from turnout.worker.agent import Agent, AgentSettings
+from turnout.worker.pools import ProcessPool, Runnable
+from turnout.worker.processes import EventSink, Outcome, ProtocolProcess
 
 
 class Scripted(ProtocolProcess):

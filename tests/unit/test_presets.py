@@ -13,8 +13,9 @@ import pytest
 from turnout.errors import InvalidInput
 from turnout.models import Device
 from turnout.worker import presets as presets_module
+from turnout.worker.pools import OneOffPool, ProcessPool
 from turnout.worker.presets import Mode, child_env, load_presets, parse_presets, preset_runnables
-from turnout.worker.processes import OneOffPool, ProcessPool, RefusedProcess
+from turnout.worker.processes import RefusedProcess
 from turnout.worker.sandbox import Isolation
 
 GOOD = {

@@ -106,11 +106,11 @@ def test_a_batchs_gpu_stays_held_until_its_last_task_ends_though_its_leader_is_c
 
 
 def test_the_worker_never_hands_two_tenants_leases_to_one_call_whatever_the_answer_says() -> None:
-    from turnout.worker.agent import _groups
+    from turnout.worker.executors import groups
 
     leases = [{"id": "a", "tenant": "acme", "batch": "a"}, {"id": "b", "tenant": "globex", "batch": "a"},
               {"id": "c", "tenant": "acme", "batch": "a"}, {"id": "d", "tenant": "acme", "batch": None}]  # fmt: skip
-    assert [[lease["id"] for lease in group] for group in _groups(leases)] == [["a", "c"], ["b"], ["d"]]
+    assert [[lease["id"] for lease in group] for group in groups(leases)] == [["a", "c"], ["b"], ["d"]]
 
 
 def test_escalation_holds_a_tenant_at_its_gpu_quota_and_counts_what_endpoints_hold(store: SqlStore) -> None:

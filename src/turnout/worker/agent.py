@@ -1,48 +1,46 @@
 """The worker agent: registers what this host can run, leases work that fits, runs it, reports back.
 
-Four loops share one HTTP client: heartbeat (liveness and GPU metrics), lease (a long poll that also
-names the tasks still running here, so the controller can tell us which to stop), and two senders that
-batch completions and events, so a chatty task or a burst of tiny ones costs few requests. A completion
-goes out at once, and where work waits for the room it frees (a backlog, a pipeline's next stage) it asks
-for that work in the same request (`complete` with `lease`): no second round trip. The long poll, which
-waits for new tasks whenever there is room, takes the rest.
+Four loops share one controller client (`client.py`): heartbeat (liveness and GPU metrics), lease (a long
+poll that also names the tasks still running here, so the controller can tell us which to stop), and two
+senders that batch completions and events, so a chatty task or a burst of tiny ones costs few requests. A
+completion goes out at once, and where work waits for the room it frees (a backlog, a pipeline's next stage)
+it asks for that work in the same request (`complete` with `lease`): no second round trip. The long poll,
+which waits for new tasks whenever there is room, takes the rest.
 Every result and event is checked once as it is queued (`reports`): what JSON cannot carry fails its task
 with `invalid_output`, and the senders never die, whatever the controller answers.
+Running a task is the executor's (`executors.py`); the agent keeps the books: what runs here, since when,
+what waits to be reported, and which pipeline stages it chained.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import random
 import socket
-import sys
 import time
-import weakref
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
 
-from turnout.access import WORKER_SECRET_HEADER
-from turnout.errors import InvalidInput
 from turnout.gpu.allocation import GpuRequest, fits_ever
 from turnout.gpu.devices import GpuDevice, units_of
 from turnout.gpu.provider import Discovery, discover
-from turnout.models import Device, Variant
-from turnout.tls import async_client
-from turnout.worker.app import HandlerVariant, WorkerApplication
+from turnout.models import Device
 from turnout.worker.chains import CHAIN_HOLD_S, ChainBook, chained_lease, reorder
+from turnout.worker.client import ControllerClient
 from turnout.worker.delivery import Refusal, Replace, deliver
-from turnout.worker.files import TaskFileError, TaskFiles, WorkerFiles
-from turnout.worker.gpuwatch import GpuWatch, SharedTask, memory_over_limit, process_tree
-from turnout.worker.processes import Outcome, ProcessPool, ProtocolProcess
+from turnout.worker.executors import Executor, Ran, groups, variant_key
+from turnout.worker.files import WorkerFiles
+from turnout.worker.gpuwatch import GpuWatch, memory_over_limit, process_tree
+from turnout.worker.handover import HandOver
+from turnout.worker.pools import Runnable
 from turnout.worker.reports import (
     checked_completion,
     encode,
@@ -51,13 +49,9 @@ from turnout.worker.reports import (
     refused_completion,
     with_event_failure,
 )
-from turnout.worker.scrub import TenantLedger, run_scrub
-from turnout.worker.visibility import gpu_env
 
 log = logging.getLogger("turnout.worker")
-PROCESS_FAULTS = frozenset({"timeout", "process_exited", "setup_failed", "gpu_memory_exceeded"})
 MAX_REPORT_BATCH = 5000
-LIFELINE_READ_S = 15.0  # the controller pings the lifeline every 5 s; three missed pings: reconnect
 
 
 @dataclass(frozen=True)
@@ -80,116 +74,14 @@ class AgentSettings:
     lease_wait_s: float = 20.0  # how long one lease request waits for work at the controller
 
 
-class ScrubFailed(Exception):
-    """A GPU of the task's grant could not be scrubbed: the task must not start there."""
-
-    def __init__(self, error: dict[str, Any]) -> None:
-        super().__init__(error["message"])
-        self.error = error
-
-
-@dataclass
-class Runnable:
-    """A variant this worker runs: its pool of processes and how one task's (or one batch's) line is written."""
-
-    variant: Variant
-    pool: ProcessPool
-    task_line: Callable[[dict[str, Any]], str]
-    batch_line: Callable[[list[dict[str, Any]]], str] | None = None  # variants with max_batch_size > 1
-
-
-def python_runnables(app_ref: str, app: WorkerApplication, base_env: dict[str, str]) -> list[Runnable]:
-    """Warm `turnout.worker.runner` pools for each variant of a Python app."""
-    out = []
-    for hv in app.variants.values():
-        batch = _batch_line if hv.variant.max_batch_size > 1 else None
-        out.append(Runnable(hv.variant, _python_pool(app_ref, hv, base_env), _wrapped_line, batch))
-    return out
-
-
-def _python_pool(app_ref: str, hv: HandlerVariant, base_env: dict[str, str]) -> ProcessPool:
-    def factory(key: tuple[str, ...]) -> ProtocolProcess:
-        argv = [
-            sys.executable,
-            "-m",
-            "turnout.worker.runner",
-            app_ref,
-            hv.variant.capability,
-            hv.variant.device.value,
-        ]
-        return ProtocolProcess(argv, {**base_env, **gpu_env(key)}, lifeline_arg=True)
-
-    return ProcessPool(factory, min_processes=hv.pool.min_processes, idle_timeout_s=hv.pool.idle_timeout_s,
-                       max_processes=hv.pool.max_processes)  # fmt: skip
-
-
-def _wrapped_line(lease: dict[str, Any]) -> str:
-    return json.dumps(_envelope(lease))
-
-
-def _envelope(lease: dict[str, Any]) -> dict[str, Any]:
-    return {"task_id": lease["id"], "attempt": lease["attempt"], "input": lease["input"],
-            "gpus": list((lease.get("gpus") or {}).get("uuids", [])),
-            "files": lease.get("files") or {}, "output_dir": lease.get("output_dir")}  # fmt: skip
-
-
-def _batch_line(leases: list[dict[str, Any]]) -> str:
-    return json.dumps({"batch": [_envelope(lease) for lease in leases]})
-
-
-def _split_cold_start(outcome: Outcome, fresh: bool, asked_at: float) -> tuple[float | None, Outcome]:
-    """(cold_start_s, outcome with run_s less the setup it waited for). A task that met a fresh process pays
-    the start and setup it waited for (a prewarmed one that was ready in time costs it nothing)."""
-    if not fresh:
-        return 0.0, outcome
-    ready = outcome.ready_at if outcome.ready_at is not None else outcome.started_at
-    cold = max(0.0, ready - asked_at)
-    finished = outcome.started_at + outcome.run_s
-    run_s = max(0.0, finished - max(outcome.started_at, ready))
-    return cold, replace(outcome, run_s=run_s)
-
-
-def _groups(leases: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """The lease answer's tasks as the jobs to run: one per task, one per batch. The controller batches only
-    one tenant's tasks; the tenant is part of the key here too, so two tenants' inputs never meet in one
-    handler call (nor one warm process's memory) even if a lease answer said otherwise."""
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for lease in leases:
-        groups.setdefault((str(lease.get("tenant")), lease.get("batch") or lease["id"]), []).append(lease)
-    return list(groups.values())
-
-
-def _per_task(outcome: Outcome, n: int, batched: bool) -> list[Outcome]:
-    """Each task's own outcome: a batch's list of outputs is split in order; a batch that failed fails each task."""
-    if not batched:
-        return [outcome] * n
-    if not outcome.succeeded:
-        return [outcome] * n
-    outputs = outcome.output
-    if not isinstance(outputs, list) or len(outputs) != n:
-        got = f"{len(outputs)} outputs" if isinstance(outputs, list) else type(outputs).__name__
-        error = invalid_output(
-            "output", f"a batched handler must return a list of {n} outputs, one per input; got {got}"
-        )
-        return [Outcome(False, error=error)] * n
-    return [Outcome(True, output=o) for o in outputs]
-
-
 def jittered(delay_s: float) -> float:
     """Half to all of `delay_s`: workers cut off together do not all come back in the same instant."""
     return delay_s * (0.5 + random.random() / 2)
 
 
-def grant_key(grant: dict[str, Any] | None) -> tuple[str, ...]:
-    """The GPUs (and shared-memory limit) a process is started with; () for a CPU process."""
-    if not grant:
-        return ()
-    limit = "" if grant.get("exclusive") else str(grant.get("memory_bytes") or "")
-    return (",".join(grant.get("uuids", [])), ",".join(str(i) for i in grant.get("indices", [])), limit,
-            str(grant.get("unit_memory_bytes") or ""))  # fmt: skip
-
-
 class Agent:
+    """One worker: its loops, and the books they share (what runs here, what waits to be reported)."""
+
     def __init__(
         self,
         settings: AgentSettings,
@@ -202,7 +94,7 @@ class Agent:
         self.discovery = discovery or discover(settings.gpus)
         self.devices: list[GpuDevice] = list(self.discovery.devices)
         self.runnables = {
-            f"{r.variant.capability}:{r.variant.device.value}": r for r in self.offered(runnables)
+            variant_key(r.variant.capability, r.variant.device.value): r for r in self.offered(runnables)
         }
         self.watch = GpuWatch(
             self.discovery.provider,
@@ -210,14 +102,13 @@ class Agent:
             canary_command=settings.canary_command,
             canary_backoff_s=settings.canary_backoff_s,
         )
-        self._shared: dict[str, SharedTask] = {}  # running tasks that hold a share of a GPU's memory
         self._stop_reason: dict[str, dict[str, Any]] = {}  # why the worker itself stopped a task
-        headers = {"Authorization": f"Bearer {settings.token}"} if settings.token else {}
-        self.http = async_client(base_url=settings.controller_url.rstrip("/"), headers=headers,
-                                 timeout=httpx.Timeout(10.0, read=90.0), transport=transport,
-                                 ca_cert=settings.ca_cert)  # fmt: skip
-        self.files = WorkerFiles(self.http, storage=settings.storage)
-        self.worker_id: str | None = None
+        self.client = ControllerClient(settings.controller_url, settings.token, transport=transport,
+                                       ca_cert=settings.ca_cert)  # fmt: skip
+        self.files = WorkerFiles(self.client.http, storage=settings.storage)
+        self.hand_over = HandOver(settings.scrub_command, close_idle=self._close_idle_on,
+                                  record=self._record_scrub, quarantine=self._quarantine)  # fmt: skip
+        self.executor = Executor(self.runnables, self.files, self.hand_over)
         self.running: dict[str, asyncio.Task[None]] = {}
         self._completions: list[dict[str, Any]] = []
         self._events: list[dict[str, Any]] = []
@@ -230,16 +121,10 @@ class Agent:
         self._leasing = True
         self._registered = asyncio.Event()
         self._beat_now = asyncio.Event()  # heartbeat at once (a GPU was just quarantined)
-        self.ledger = TenantLedger()  # which tenant last held each GPU unit here
-        self._unit_locks: dict[str, asyncio.Lock] = {}  # one hand-over (and scrub) at a time per unit
         self._scrubs: list[dict[str, Any]] = []
         self._scrubs_lock = asyncio.Lock()
-        # a warm process serves one tenant only: what a task left in its memory stays with its tenant
-        self._proc_tenant: weakref.WeakKeyDictionary[ProtocolProcess, str] = weakref.WeakKeyDictionary()
         self._batch_of: dict[str, frozenset[str]] = {}  # task id -> the ids of the batch it runs in
         self._unwanted: set[str] = set()  # batch members the controller asked us to stop
-        # what the controller's worker protocol offers beyond its first version (the register answer says)
-        self._features: frozenset[str] = frozenset()
         # Leases arrive by two requests that may cross (the long poll, a completion's lease): each task started
         # is numbered, and an answer's `cancel` applies only to tasks started before its request was sent.
         self._started = 0
@@ -248,6 +133,11 @@ class Agent:
         self._asks_work: set[str] = set()  # tasks whose results should ask for work (see `_wants_work`)
         self._cpu_of: dict[str, float] = {}  # running task id -> the CPU its lease holds
         self.chains = ChainBook()  # pipeline stages started here before their tasks exist (chains.py)
+
+    @property
+    def worker_id(self) -> str | None:
+        """The id the controller gave this worker (None until registered)."""
+        return self.client.worker_id
 
     def offered(self, runnables: list[Runnable]) -> list[Runnable]:
         """The variants this host's hardware can run: GPU variants only where some GPU could ever fit them."""
@@ -295,11 +185,10 @@ class Agent:
             loop.cancel()
         await asyncio.gather(*loops, return_exceptions=True)
         if self.worker_id:
-            with contextlib.suppress(httpx.HTTPError):
-                await self.http.post(f"/v1/workers/{self.worker_id}/leave", timeout=5)
+            await self.client.leave()
         for r in self.runnables.values():
             await r.pool.close()
-        await self.http.aclose()
+        await self.client.aclose()
         self.files.close()
 
     async def register(self) -> None:
@@ -316,15 +205,7 @@ class Agent:
         delay = 0.2
         while True:
             try:
-                resp = await self.http.post("/v1/workers/register", json=body)
-                if resp.status_code in (401, 403, 422):
-                    raise InvalidInput(f"controller refused registration: {resp.text}", field="worker")
-                resp.raise_for_status()
-                answer = resp.json()
-                self.worker_id = answer["id"]
-                self._features = frozenset(answer.get("features") or ())
-                # who we are, on every later call (registering again included): our token and this secret
-                self.http.headers[WORKER_SECRET_HEADER] = answer["secret"]
+                await self.client.register(body)
                 self.files.worker_id = self.worker_id
                 self._registered.set()
                 log.info(
@@ -352,10 +233,9 @@ class Agent:
                 metrics = await asyncio.get_running_loop().run_in_executor(None, self._metrics)
                 self._enforce_memory_limits()
                 # bounded by the period: a beat stuck on a dead connection must not hold back the next ones
-                resp = await self.http.post(f"/v1/workers/{self.worker_id}/heartbeat",
-                                            json={"metrics": metrics, "quarantined": self.watch.quarantined()},
-                                            timeout=max(2.0, 2 * self.settings.heartbeat_s))  # fmt: skip
-                if resp.status_code == 404:
+                known = await self.client.heartbeat(metrics, self.watch.quarantined(),
+                                                    timeout_s=max(2.0, 2 * self.settings.heartbeat_s))  # fmt: skip
+                if not known:
                     await self.register()
             except httpx.HTTPError as exc:
                 log.warning("heartbeat failed: %s", exc)
@@ -380,12 +260,13 @@ class Agent:
 
     def _enforce_memory_limits(self) -> None:
         """Stop each task measured above its share of GPU memory, with `gpu_memory_exceeded`."""
-        if not self._shared or not self.watch.last:
+        shared = self.executor.shared
+        if not shared or not self.watch.last:
             return
-        tasks = list(self._shared.values())
+        tasks = list(shared.values())
         over = memory_over_limit(tasks, self.watch.last, process_tree(t.pid for t in tasks))
         for task_id, used in over.items():
-            limit = self._shared[task_id].limit_bytes
+            limit = shared[task_id].limit_bytes
             self._stop(task_id, {"type": "gpu_memory_exceeded",
                                  "message": f"used {used} bytes of GPU memory, over its share of {limit} bytes"})  # fmt: skip
 
@@ -409,24 +290,18 @@ class Agent:
                 return
             sent_as = self._started
             try:
-                resp = await self.http.post(
-                    f"/v1/workers/{self.worker_id}/lease",
-                    json={"max_tasks": self.settings.max_lease, "wait_s": self.settings.lease_wait_s,
-                          "running": self._held()},
-                    # an answer lost on a dead connection is given up soon after the controller would have sent it
-                    timeout=httpx.Timeout(10.0, read=self.settings.lease_wait_s + 15.0),
-                )  # fmt: skip
-                if resp.status_code == 404:
+                answer = await self.client.lease({"max_tasks": self.settings.max_lease, "running": self._held()},
+                                                 self.settings.lease_wait_s)  # fmt: skip
+                if answer is None:
                     await self.register()
                     continue
-                resp.raise_for_status()
                 delay = 0.2
             except httpx.HTTPError as exc:
                 log.warning("lease failed: %s", exc)
                 await asyncio.sleep(jittered(delay))
                 delay = min(delay * 2, 5.0)
                 continue
-            self._accept(resp.json(), sent_as)
+            self._accept(answer, sent_as)
 
     def _accept(self, answer: dict[str, Any], sent_as: int) -> None:
         """Act on a lease answer (`{tasks, cancel, backlog}`) to a request sent when `sent_as` tasks had been
@@ -444,7 +319,7 @@ class Agent:
                 self._unwanted -= batch
             log.info("stopping task %s: the controller no longer assigns it here", task_id)
             running.cancel()
-        for group in _groups(answer.get("tasks", [])):
+        for group in groups(answer.get("tasks", [])):
             job = asyncio.create_task(self._execute(group))
             members = frozenset(lease["id"] for lease in group)
             self._started += 1
@@ -479,118 +354,47 @@ class Agent:
     def _lease_ask(self) -> tuple[bytes, int] | None:
         """The `lease` a completion carries, encoded, and how many tasks had been started; None when this worker
         leases no more (it is stopping) or its controller does not take a lease there."""
-        if not self._leasing or "complete_lease" not in self._features:
+        if not self._leasing or "complete_lease" not in self.client.features:
             return None
         ask = {"max_tasks": self.settings.max_lease, "running": self._held()}
         return encode(ask), self._started
 
     async def _execute(self, leases: list[dict[str, Any]]) -> None:
-        """Run one task, or one batch of tasks the controller leased together (same variant, same GPUs).
+        """Run one job (a task, or a batch: `executors.py`) and queue each task's result, in lease order.
 
-        A batch goes to one process as one line; the handler gets a list of inputs and returns a list of
-        outputs, in order. Each task keeps its own events (an event naming an `item` goes to that task's
-        stream, any other to every task's), its own result, and its share of the run and cold-start seconds.
+        Each task keeps its own events, its own result, and its share of the run and cold-start seconds.
         """
-        first = leases[0]
-        ids = [lease["id"] for lease in leases]
-        runnable = self.runnables.get(f"{first['capability']}:{first['device']}")
-        batched = runnable is not None and runnable.batch_line is not None and first.get("batch") is not None
         sinks = [self._sink_for(lease["id"], lease["attempt"]) for lease in leases]
-
-        def sink(event: dict[str, Any]) -> None:
-            item = event.get("item") if batched else None
-            if isinstance(item, int) and not isinstance(item, bool) and 0 <= item < len(sinks):
-                sinks[item]({k: v for k, v in event.items() if k != "item"})
-            else:
-                for each in sinks:
-                    each(event)
-
-        cold_start_s: float | None = None
-        isolation: dict[str, Any] | None = None
-        files: list[TaskFiles] = []  # each task's scratch, input copies and output directory
         try:
-            if runnable is None:
-                outcome = Outcome(False, error={"type": "not_served",
-                                                "message": f"{first['capability']} on {first['device']} is not served here"})  # fmt: skip
-            else:
-                for (
-                    lease
-                ) in leases:  # a batch with one missing input fails whole: its handler takes every input
-                    files.append(await self.files.prepare(lease))
-                leases_with_files = [{**lease, "files": f.inputs, "output_dir": str(f.output_dir)}
-                                     for lease, f in zip(leases, files, strict=True)]  # fmt: skip
-                key = grant_key(first.get("gpus"))
-                tenant = str(first.get("tenant") or "default")  # a batch is one tenant's (see `_groups`)
-                await self._hand_over(first["id"], first.get("gpus") or {}, tenant)
-                # a cold start is the process's start and setup, not the scrub before it
-                asked_at = time.time()
-                env = files[0].env() if len(files) == 1 else None  # a command started for this one task
-                proc = await self._acquire(runnable, key, first["id"], tenant, env=env)
-                fresh = proc.tasks_served == 0
-                reusable = False
-                grant = first.get("gpus") or {}
-                if grant and not grant.get("exclusive") and proc.pid:
-                    self._shared[first["id"]] = SharedTask(first["id"], proc.pid, tuple(grant.get("uuids", [])),
-                                                           int(grant.get("memory_bytes", 0)))  # fmt: skip
-                if proc.pid is not None:  # it started: what holds it is known, however its run ends
-                    isolation = proc.isolation
-                try:
-                    line = (
-                        runnable.batch_line(leases_with_files)
-                        if batched and runnable.batch_line
-                        else runnable.task_line(leases_with_files[0])
-                    )
-                    outcome = await proc.run(line, sink, first.get("timeout_s"))
-                    # a failure the program reported itself leaves it warm; a timeout or a crash does not
-                    reusable = proc.alive and (outcome.error or {}).get("type") not in PROCESS_FAULTS
-                finally:
-                    self._shared.pop(first["id"], None)
-                    runnable.pool.release(proc, key, reusable)
-                cold_start_s, outcome = _split_cold_start(outcome, fresh, asked_at)
+            ran = await self.executor.run(leases, sinks, lambda: self._stopped(leases))
         except asyncio.CancelledError:
-            reasons = [self._stop_reason.pop(tid, None) for tid in ids]
+            return  # the controller asked us to stop: it already knows
+        self._queue_results(leases, ran)
+        # the result (and the next lease) go out first; the empty directories can go while they travel
+        await asyncio.sleep(0)
+        await self.executor.clean(ran.files)
+
+    def _stopped(self, leases: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """The job was cancelled: forget its tasks, and say why if the worker itself stopped one (None: the
+        controller did, and expects no report; what their events lost is forgotten too)."""
+        reasons = [self._stop_reason.pop(lease["id"], None) for lease in leases]
+        for lease in leases:
+            self._forget(lease["id"])
+        if all(r is None for r in reasons):
             for lease in leases:
-                self._forget(lease["id"])
-            if all(r is None for r in reasons):
-                for lease in leases:
-                    self._event_failures.pop((lease["id"], lease["attempt"]), None)
-                await self._clean(files)
-                return  # the controller asked us to stop: it already knows
-            error = next(r for r in reasons if r is not None)
-            outcome = Outcome(False, error=error)
-        except (ScrubFailed, TaskFileError) as exc:
-            outcome = Outcome(False, error=exc.error)
-        except Exception as exc:
-            log.exception("task %s could not run", first["id"])
-            outcome = Outcome(
-                False, error={"type": "worker_error", "message": f"{type(exc).__name__}: {exc}"}
-            )
-        results = _per_task(outcome, len(leases), batched)
+                self._event_failures.pop((lease["id"], lease["attempt"]), None)
+            return None
+        return next(r for r in reasons if r is not None)
+
+    def _queue_results(self, leases: list[dict[str, Any]], ran: Ran) -> None:
+        """Queue each task's checked result; start the pipeline stage it chains, if any (chains.py)."""
+        first = leases[0]
         frees_room = self._full() or bool(first.get("gpus"))  # room the long poll was not waiting with
         chained: dict[str, Any] | None = None  # the next pipeline stage, started here at once
-        for i, (lease, result) in enumerate(zip(leases, results, strict=True)):
-            if result.succeeded and i < len(files):  # what it left in its output directory goes back as files
-                try:
-                    results[i] = replace(
-                        result, output=await self.files.collect(files[i], lease, result.output)
-                    )
-                except TaskFileError as exc:
-                    results[i] = Outcome(False, error=exc.error)
-        for lease, result in zip(leases, results, strict=True):
+        for i, lease in enumerate(leases):
             self._forget(lease["id"])
-            usage = {k: v for k, v in (("peak_rss_bytes", outcome.peak_rss_bytes),
-                                      ("peak_gpu_memory_bytes", outcome.peak_gpu_memory_bytes),
-                                      ("batch_size", len(leases) if batched else None)) if v is not None}  # fmt: skip
-            share = len(leases)
-            completion = {
-                "task_id": lease["id"], "attempt": lease["attempt"], "status": "succeeded" if result.succeeded else "failed",
-                "output": result.output, "error": result.error, "run_s": outcome.run_s / share,
-                "started_at": outcome.started_at,
-                "isolation": outcome.isolation or isolation,  # what held and confined its process
-                "cold_start_s": None if cold_start_s is None else cold_start_s / share, "usage": usage or None,
-            }  # fmt: skip
-            checked = checked_completion(completion)
-            if checked["status"] == "succeeded" and not batched:
+            checked = checked_completion(ran.completion(i, lease))
+            if checked["status"] == "succeeded" and not ran.batched:
                 chained = self._chain_after(lease, checked["output"])
                 if chained is not None:
                     checked["chain"] = chained["id"]
@@ -606,17 +410,14 @@ class Agent:
             asyncio.get_running_loop().call_later(CHAIN_HOLD_S, self._completions_ready.set)
         else:
             self._completions_ready.set()
-        # the result (and the next lease) go out first; the empty directories can go while they travel
-        await asyncio.sleep(0)
-        await self._clean(files)
 
     def _chain_after(self, lease: dict[str, Any], output: Any) -> dict[str, Any] | None:
         """The lease of the pipeline stage to start here right after `lease` succeeded, if the controller listed
         one, this worker serves it, is not stopping, and has room for it (chains.py)."""
         steps = lease.get("chain")
-        if not steps or not self._leasing or "chain" not in self._features:
+        if not steps or not self._leasing or "chain" not in self.client.features:
             return None
-        runnable = self.runnables.get(f"{steps[0].get('capability')}:{Device.CPU.value}")
+        runnable = self.executor.runnable(steps[0].get("capability"), Device.CPU.value)
         if runnable is None:
             return None
         cpus = self.settings.cpus or float(os.cpu_count() or 1)
@@ -652,12 +453,6 @@ class Agent:
             self._events_ready.set()
             self._completions_ready.set()
 
-    async def _clean(self, files: list[TaskFiles]) -> None:
-        """Remove the tasks' scratch and output directories (the common case: two rmdir calls, no thread)."""
-        for f in files:
-            if not self.files.remove_if_empty(f):
-                await asyncio.get_running_loop().run_in_executor(None, self.files.cleanup, f)
-
     def _sink_for(self, task_id: str, attempt: int) -> Callable[[dict[str, Any]], None]:
         emitted = 0
 
@@ -688,68 +483,23 @@ class Agent:
         self._events.append({"task_id": task_id, "attempt": attempt, "event": note})
         self._events_ready.set()
 
-    async def _hand_over(self, task_id: str, grant: dict[str, Any], tenant: str) -> None:
-        """Make the grant's GPUs fit for `tenant`: close other tenants' idle processes on them, then scrub.
-
-        Raises ScrubFailed (after quarantining the GPU) when a scrub fails. Scrubs are audited before the
-        task starts. Without a scrub command only the idle processes are closed.
-        """
-        uuids = sorted(grant.get("uuids", []))
-        if not uuids:
-            return
-        async with contextlib.AsyncExitStack() as held:
-            for uuid in uuids:  # sorted: two tasks never wait on each other's locks
-                await held.enter_async_context(self._unit_locks.setdefault(uuid, asyncio.Lock()))
-            dirty = self.ledger.to_scrub(uuids, tenant)
-            if not dirty:
-                return
-            await self._close_idle_on({uuid for uuid, _ in dirty})
-            for uuid, previous in dirty:
-                if self.settings.scrub_command:
-                    result = await run_scrub(self.settings.scrub_command, uuid)
-                    self._scrubs.append({"gpu": uuid, "task_id": task_id, "tenant": tenant,
-                                         "previous_tenant": previous, "ok": result.ok,
-                                         "seconds": round(result.seconds, 3), "message": result.message})  # fmt: skip
-                    await self._post_scrubs()
-                    if not result.ok:
-                        self.watch.quarantine(uuid, f"GPU scrub failed: {result.message}")
-                        self._beat_now.set()
-                        raise ScrubFailed({"type": "gpu_scrub_failed",
-                                           "message": f"GPU {uuid} could not be scrubbed before this task "
-                                                      f"({result.message}); it is quarantined, and the task "
-                                                      "goes to another GPU"})  # fmt: skip
-                self.ledger.hand_over([uuid], tenant)
+    async def _record_scrub(self, record: dict[str, Any]) -> None:
+        """Queue one scrub's record (the audit of a hand-over) and deliver what is queued."""
+        self._scrubs.append(record)
+        await self._post_scrubs()
 
     async def _post_scrubs(self) -> None:
-        """Deliver the queued scrub records (the audit of each hand-over); returns once each is settled."""
+        """Deliver the queued scrub records; returns once each is settled."""
         async with self._scrubs_lock:  # concurrent hand-overs on other GPUs: each record is posted once
             await self._post_batch(self._scrubs, "scrubs", "scrubs", lambda _item, _refusal: None)
 
-    async def _close_idle_on(self, uuids: set[str]) -> None:
-        """Close warm idle processes started on any of these GPUs (they hold the last tenant's memory)."""
-        for r in self.runnables.values():
-            for key, stack in list(r.pool.idle.items()):
-                if key and set(key[0].split(",")) & uuids:
-                    procs, stack[:] = list(stack), []
-                    for proc in procs:
-                        await proc.close()
+    def _quarantine(self, uuid: str, reason: str) -> None:
+        self.watch.quarantine(uuid, reason)
+        self._beat_now.set()  # the controller hears of it now, not at the next beat
 
-    async def _acquire(
-        self,
-        runnable: Runnable,
-        key: tuple[str, ...],
-        task_id: str,
-        tenant: str,
-        *,
-        env: dict[str, str] | None = None,
-    ) -> ProtocolProcess:
-        """A process for the task; a warm one that served another tenant is closed, never reused."""
-        proc = await runnable.pool.acquire(key, task_id, env=env)
-        while self._proc_tenant.get(proc, tenant) != tenant:
-            runnable.pool.release(proc, key, reusable=False)
-            proc = await runnable.pool.acquire(key, task_id, env=env)
-        self._proc_tenant[proc] = tenant
-        return proc
+    async def _close_idle_on(self, uuids: set[str]) -> None:
+        for r in self.runnables.values():
+            await r.pool.close_idle_on(uuids)
 
     async def _send_completions(self) -> None:
         await self._drain_forever(self._completions_ready, self._post_completions)
@@ -838,8 +588,7 @@ class Agent:
                 ask = self._lease_ask() if asks else None
                 if ask is not None:  # `body` is a JSON object: the lease goes in as one more member
                     body = b'%s,"lease":%s}' % (body[:-1], ask[0])
-                resp = await self.http.post(f"/v1/workers/{self.worker_id}/{path}", content=body, timeout=30,
-                                            headers={"Content-Type": "application/json"})  # fmt: skip
+                resp = await self.client.report(path, body)
                 chains = lease and bool(self.chains.child_of)
                 if (ask is not None or chains) and resp.is_success:
                     try:
@@ -877,29 +626,18 @@ class Agent:
         return [pid for r in self.runnables.values() for pid in r.pool.pids()]
 
     async def _lifeline_loop(self) -> None:
-        """Hold `GET /v1/workers/{id}/lifeline` open for as long as this process lives, reopening it at once.
+        """Hold the lifeline (`client.hold_lifeline`) for as long as this process lives, reopening it at once.
 
         If this process dies, however it dies, the kernel closes the connection and the controller re-queues
         its tasks within a second or two instead of three heartbeats. The controller sends a byte every few
-        seconds; none for LIFELINE_READ_S means the connection is dead, and a new one is opened.
+        seconds; none for `client.LIFELINE_READ_S` means the connection is dead, and a new one is opened.
         """
         clock = asyncio.get_running_loop().time
         delay_s = 0.0
         while True:
             await self._registered.wait()
             opened_at = clock()
-            held = False
-            try:
-                async with self.http.stream("GET", f"/v1/workers/{self.worker_id}/lifeline",
-                                            timeout=httpx.Timeout(10.0, read=LIFELINE_READ_S)) as resp:  # fmt: skip
-                    held = resp.status_code == 200  # 404 until registered again; 5xx while it starts
-                    if held:
-                        async for _ in resp.aiter_raw():
-                            pass
-            except httpx.HTTPError as exc:
-                log.debug("lifeline to the controller broke: %s", exc)
-            except Exception:  # this loop must outlive anything: without it, a death here goes unseen
-                log.exception("lifeline to the controller failed")
+            held = await self.client.hold_lifeline()
             # one that was up a while is reopened at once (within the controller's reconnect grace); one that
             # cannot be opened, or drops straight away, is retried with backoff
             delay_s = 0.0 if held and clock() - opened_at > 1.0 else min(max(delay_s * 2, 0.1), 2.0)

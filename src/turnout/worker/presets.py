@@ -41,10 +41,10 @@ from turnout.files import with_paths
 from turnout.models import Device, Variant, check_capability_name
 from turnout.resources import parse_resources
 from turnout.worker import docker
-from turnout.worker.agent import Runnable
 from turnout.worker.guard import guarded_argv
 from turnout.worker.limits import Limits
-from turnout.worker.processes import OneOffPool, ProcessPool, ProtocolProcess, RefusedProcess
+from turnout.worker.pools import OneOffPool, ProcessPool, Runnable
+from turnout.worker.processes import ProtocolProcess, RefusedProcess
 from turnout.worker.sandbox import ENV_KEPT, Isolation, find_bwrap
 from turnout.worker.sandboxed import SandboxedProcess, SandboxHost, SandboxOptions, sandbox_host
 from turnout.worker.visibility import gpu_env

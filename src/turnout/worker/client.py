@@ -1,0 +1,114 @@
+"""The worker's side of the worker protocol (README, "The worker protocol"): one object, one HTTP client.
+
+Each method is one call, answered or raised (`httpx.HTTPError` for the network and the controller's 5xx
+where the caller retries); the loops that retry, and what they do with the answers, are the agent's. The
+transport is injectable, so a test drives an agent against `httpx.MockTransport` with no socket at all.
+Registering records who the worker is (its id, and the secret every later call carries) and what the
+controller's protocol offers beyond its first version (`features`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from turnout.access import WORKER_SECRET_HEADER
+from turnout.errors import InvalidInput
+from turnout.tls import async_client
+
+log = logging.getLogger("turnout.worker")
+LIFELINE_READ_S = 15.0  # the controller pings the lifeline every 5 s; three missed pings: reconnect
+REPORT_TIMEOUT_S = 30.0
+JSON = {"Content-Type": "application/json"}
+
+
+class ControllerClient:
+    """Register, heartbeat, lease, complete, events, scrubs, lifeline and leave, as the worker `worker_id`."""
+
+    def __init__(
+        self,
+        controller_url: str,
+        token: str | None,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        ca_cert: Path | None = None,
+    ) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        # file transfers (`files.py`) share this client: the same connections, token and secret
+        self.http = async_client(base_url=controller_url.rstrip("/"), headers=headers,
+                                 timeout=httpx.Timeout(10.0, read=90.0), transport=transport,
+                                 ca_cert=ca_cert)  # fmt: skip
+        self.worker_id: str | None = None
+        self.features: frozenset[str] = frozenset()
+
+    def _path(self, call: str) -> str:
+        return f"/v1/workers/{self.worker_id}/{call}"
+
+    async def register(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Register (again, when `body` names our `worker_id`); raises InvalidInput when the controller refuses
+        the worker itself (a bad token, a bad variant), which no retry can mend."""
+        resp = await self.http.post("/v1/workers/register", json=body)
+        if resp.status_code in (401, 403, 422):
+            raise InvalidInput(f"controller refused registration: {resp.text}", field="worker")
+        resp.raise_for_status()
+        answer: dict[str, Any] = resp.json()
+        self.worker_id = answer["id"]
+        self.features = frozenset(answer.get("features") or ())
+        # who we are, on every later call (registering again included): our token and this secret
+        self.http.headers[WORKER_SECRET_HEADER] = answer["secret"]
+        return answer
+
+    async def heartbeat(self, metrics: dict[str, Any], quarantined: Any, timeout_s: float) -> bool:
+        """Beat; False when the controller no longer knows this worker (register again)."""
+        resp = await self.http.post(self._path("heartbeat"), json={"metrics": metrics, "quarantined": quarantined},
+                                    timeout=timeout_s)  # fmt: skip
+        return resp.status_code != 404
+
+    async def lease(self, ask: dict[str, Any], wait_s: float) -> dict[str, Any] | None:
+        """The long poll: `{tasks, cancel, backlog}` within about `wait_s`; None when the controller no longer
+        knows this worker (register again)."""
+        resp = await self.http.post(
+            self._path("lease"),
+            json={**ask, "wait_s": wait_s},
+            # an answer lost on a dead connection is given up soon after the controller would have sent it
+            timeout=httpx.Timeout(10.0, read=wait_s + 15.0),
+        )
+        if resp.status_code == 404:
+            return None
+        resp.raise_for_status()
+        answer: dict[str, Any] = resp.json()
+        return answer
+
+    async def report(self, call: str, body: bytes) -> httpx.Response:
+        """Post an encoded report (`complete`, `events`, `scrubs`); the caller (`delivery.py`) sorts the answer."""
+        return await self.http.post(self._path(call), content=body, timeout=REPORT_TIMEOUT_S, headers=JSON)
+
+    async def hold_lifeline(self) -> bool:
+        """Hold `GET .../lifeline` open until it breaks; whether the controller took it (404 until registered
+        again, 5xx while it starts). Never raises but CancelledError: the caller's loop must outlive anything."""
+        held = False
+        try:
+            async with self.http.stream("GET", self._path("lifeline"),
+                                        timeout=httpx.Timeout(10.0, read=LIFELINE_READ_S)) as resp:  # fmt: skip
+                held = resp.status_code == 200
+                if held:
+                    async for _ in resp.aiter_raw():
+                        pass
+        except httpx.HTTPError as exc:
+            log.debug("lifeline to the controller broke: %s", exc)
+        except Exception:  # without the lifeline, a death of this worker goes unseen for three heartbeats
+            log.exception("lifeline to the controller failed")
+        return held
+
+    async def leave(self) -> None:
+        """Say goodbye (best effort: a controller that is gone sees the lifeline drop instead)."""
+        try:
+            await self.http.post(self._path("leave"), timeout=5)
+        except httpx.HTTPError as exc:
+            log.debug("leaving: the controller did not answer (%s)", exc)
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
