@@ -84,6 +84,9 @@ class LeaseResult:
     backlog: bool = (
         False  # tasks it could serve stay queued (no room, or not its turn): its results should ask
     )
+    # leased to the worker after its list was written (by its other request, or chained): it may hold them
+    # unlisted, so a long poll watches them, and stops them if they stop (see `lease`'s `watching`)
+    fresh: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -378,6 +381,7 @@ class Controller:
         running: Sequence[str] = (),
         tenant: str = ALL_TENANTS,
         listed_at: float | None = None,
+        watching: Sequence[str] = (),
     ) -> LeaseResult:
         """Give the worker queued tasks that fit its free resources, routed per their `gpu` value.
 
@@ -386,7 +390,9 @@ class Controller:
         a task leased to it that it does not list, though the list was written (`listed_at`, default now) well
         after the lease was given, never reached it (the answer was lost on the way) and goes back to the
         queue, its capacity freed. A long poll's list is as old as the poll: a task leased since, through the
-        worker's other request, is not missing from it. `tenant` is whom the worker serves ("*": every tenant,
+        worker's other request or chained after a stage it ran, is not missing from it; such tasks come back in
+        `fresh`, and a poll that passes them as `watching` hears in `cancel` when they are stopped, as it would
+        for tasks it listed. `tenant` is whom the worker serves ("*": every tenant,
         taken in turn). A tenant at its GPU quota (`max_gpus`) or over its GPU allocation rate gets no GPU now:
         its GPU-only tasks stay queued, the others route as if the GPUs were busy.
 
@@ -409,7 +415,10 @@ class Controller:
                        and listed_at - (t.leased_at or now) > grace_s]  # fmt: skip
         for task_id in self._requeue_undelivered(undelivered, now):
             del mine[task_id]
-        cancel = self._to_stop(worker_id, [tid for tid in running if tid not in mine])
+        cancel = self._to_stop(
+            worker_id, [tid for tid in dict.fromkeys([*running, *watching]) if tid not in mine]
+        )
+        fresh = tuple(t.id for t in mine.values() if (t.leased_at or 0.0) >= listed_at)
         # a task shows `running` once it has run a moment: a short one goes leased -> succeeded with no extra
         # write (and fsync) on its path; its started_at comes with its result
         started = [t for t in mine.values() if t.state is TaskState.LEASED and t.id in set(running)
@@ -422,11 +431,11 @@ class Controller:
                 ]
             )
         if worker.state is not WorkerState.HEALTHY or max_tasks <= 0:
-            return LeaseResult([], cancel)
+            return LeaseResult([], cancel, fresh=fresh)
         room = placement.room_of(worker, list(mine.values()))
         smallest = placement.smallest_cpu(worker)
         if room.cpu + 1e-9 < smallest:
-            return LeaseResult([], cancel, full=True, backlog=True)  # nothing it offers could fit now
+            return LeaseResult([], cancel, full=True, backlog=True, fresh=fresh)  # nothing it offers fits now
         healthy = [w for w in fleet.values() if w.state is WorkerState.HEALTHY]
         facts = placement.Facts(healthy, _LeaseReads(self, healthy), self.settings.tenant_limits)
         book = BatchBook()  # batched variants: tasks that ride on their leader's grant (batching.py)
@@ -435,7 +444,9 @@ class Controller:
         window = min(self.settings.lease_window, max(16, 4 * slots))
         shares = self._reservations(worker, mine.values(), tenant, now)  # tenancy.Reservations
         if shares is not None and not shares.anyone_may_take(smallest, room.cpu):
-            return LeaseResult([], cancel)  # what is free here is kept for tenants with nothing queued
+            return LeaseResult(
+                [], cancel, fresh=fresh
+            )  # what is free here is kept for tenants with none queued
         placed: list[tuple[Task, placement.Placement]] = []
         seen = 0
         for task in self._queue({v.capability for v in worker.variants}, window, tenant):
@@ -475,7 +486,7 @@ class Controller:
                 self.gpu_allocations.take(lease.task.tenant)
             self._audit_allocations(worker_id, allocated, now)
         full = bool(leases) and room.cpu + 1e-9 < smallest  # what it was given filled it
-        return LeaseResult(leases, cancel, full=full, retry_in_s=retry_in_s, backlog=backlog)
+        return LeaseResult(leases, cancel, full=full, retry_in_s=retry_in_s, backlog=backlog, fresh=fresh)
 
     def _reservations(
         self, worker: Worker, mine: Iterable[Task], tenant: str, now: float

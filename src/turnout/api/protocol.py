@@ -97,6 +97,7 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> APIRouter:
         listed_at = ctrl.clock()  # `running` is as of now, however long the poll waits
         deadline = time.monotonic() + min(body.wait_s, ctrl.settings.max_lease_wait_s)
         running = list(body.running)
+        watching: list[str] = []  # leased to it since `running` was written: it may hold them unlisted
         mine = service.worker_signal(worker_id)
         while True:
             queue, stops, capacity = (
@@ -105,8 +106,11 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> APIRouter:
                 mine.current(),
             )
             result = await service.call(ctrl.offer, worker_id, max_tasks=body.max_tasks, running=running,
-                                        tenant=me.tenant, listed_at=listed_at)  # fmt: skip
+                                        tenant=me.tenant, listed_at=listed_at, watching=watching)  # fmt: skip
             running = [tid for tid in running if tid not in set(result.cancel)]
+            watching = [
+                tid for tid in dict.fromkeys([*watching, *result.fresh]) if tid not in set(result.cancel)
+            ]
             left = deadline - time.monotonic()
             if result.leases or result.cancel or left <= 0 or service.closing.is_set():
                 leased(result)
