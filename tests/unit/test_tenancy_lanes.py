@@ -111,7 +111,9 @@ def test_a_tenant_with_calls_waiting_is_served_within_a_bounded_number_of_groups
 
 
 @given(st.integers(1, 60), st.integers(2, 20), st.integers(1, 8))
-def test_a_tenant_alone_still_fills_its_groups_up_to_per_tenant(n: int, max_group: int, per_tenant: int) -> None:
+def test_a_tenant_alone_still_fills_its_groups_up_to_per_tenant(
+    n: int, max_group: int, per_tenant: int
+) -> None:
     lanes: Lanes[int] = Lanes(max_group, per_tenant)
     for i in range(n):
         lanes.put(i, "acme")
@@ -123,7 +125,9 @@ def test_a_tenant_alone_still_fills_its_groups_up_to_per_tenant(n: int, max_grou
 
 
 @pytest.mark.parametrize("max_group, per_tenant", [(1, 1), (2, 0)])
-def test_lanes_refuse_sizes_that_cannot_serve_both_workers_and_tenants(max_group: int, per_tenant: int) -> None:
+def test_lanes_refuse_sizes_that_cannot_serve_both_workers_and_tenants(
+    max_group: int, per_tenant: int
+) -> None:
     with pytest.raises(ValueError, match="max_group"):
         Lanes(max_group, per_tenant)
 
