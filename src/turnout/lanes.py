@@ -12,8 +12,8 @@ results, heartbeats; the sweep), and makes each group from them:
   (several commits) and a call of another tenant that arrives meanwhile goes in the next group, not after
   the whole backlog; at most `max_group` calls in all, of which the worker lane leaves one for each tenant
   with calls waiting (up to half the group), so no tenant waits for ever behind worker calls;
-- the tenant that went first in a group goes last among the waiting tenants in the next: when a group
-  cannot hold one call of every tenant, each still gets one within a bounded number of groups.
+- tenants served in a group queue up behind those it left out, in the order they were served: when a group
+  cannot hold one call of every waiting tenant, each still gets one within as many groups as tenants wait.
 
 Pure: no threads, no clock. The service wraps it in a lock (`api/service.py`, `_JobQueue`).
 """
