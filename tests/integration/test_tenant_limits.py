@@ -1,6 +1,6 @@
 """Per-tenant rate limits, GPU quotas and reserved shares from turnout.yaml, on a real controller and worker.
 
-Tenants here: `flood` and `sdk` get the default (5 submissions a second), `calm` a high rate, `quota` at
+Tenants here: `flood` and `sdk` get the default (5 submissions a second), `calm` and `burst` a high rate, `quota` at
 most one GPU at a time, `gpurate` two GPU allocations a minute, `slow`, `piped` and `door` one submission
 in 5 s. A second cluster keeps a quarter of its shared worker for each tenant with work. Tests only check
 correctness; how well the calm tenant's latency holds up under a flood is measured in bench/bench_tenants.py.
@@ -36,6 +36,7 @@ limits:
   slow:    {submit_per_s: 0.2}
   piped:   {submit_per_s: 0.2}
   door:    {submit_per_s: 0.2}
+  burst:   {submit_per_s: 1000}
 pipelines:
   triple:
     stages:
@@ -57,7 +58,7 @@ def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster,
         c.start_controller()
         c.start_worker(APP, gpus="fake:2x24Gi", name="pool")  # the operator's token: a shared pool
         tokens = {}
-        for tenant in ("flood", "sdk", "calm", "quota", "gpurate", "slow", "piped", "door"):
+        for tenant in ("flood", "sdk", "calm", "quota", "gpurate", "slow", "piped", "door", "burst"):
             resp = c.api("POST", "/v1/tokens", json={"role": "submit", "tenant": tenant})
             tokens[tenant] = resp.json()["token"]
         yield c, tokens
@@ -116,6 +117,61 @@ def test_a_flooding_tenant_gets_429s_while_another_tenants_tasks_complete(
         and 0 < error["retry_after_s"] <= 1
         and "submit_per_s" in error["message"]
     )
+
+
+def test_a_tenants_backlog_of_accepted_submissions_does_not_hold_back_another_tenants_tasks(
+    limited: tuple[Cluster, dict[str, str]],
+) -> None:
+    """Given a tenant within its (high) rate submitting from many connections at once, so its submissions pile
+    up on the controller's database thread, when a calm tenant submits meanwhile, then the calm tenant's tasks
+    all complete while the burst goes on, and every submission the burst tenant was told was accepted is stored
+    (each tenant's submissions wait in a lane of their own, lanes.Lanes)."""
+    c, tokens = limited
+    accepted: list[str] = []
+    answers: list[int] = []
+    stop = threading.Event()
+
+    def burst() -> None:
+        with httpx.Client(headers={"Authorization": f"Bearer {tokens['burst']}"}, timeout=60) as http:
+            while not stop.is_set():
+                resp = http.post(f"{c.url}/v1/tasks", json={"capability": "count", "input": {}})
+                answers.append(resp.status_code)
+                if resp.status_code == 201:
+                    accepted.append(resp.json()["id"])
+
+    bursts = [threading.Thread(target=burst) for _ in range(6)]
+    for thread in bursts:
+        thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while len(accepted) < 20 and time.monotonic() < deadline:  # the burst is under way
+            time.sleep(0.05)
+        assert len(accepted) >= 20, f"the burst got {len(accepted)} submissions in: {sorted(set(answers))}"
+        calm = [post(c, tokens["calm"], {"capability": "count", "input": {"n": i}}) for i in range(5)]
+        assert [r.status_code for r in calm] == [201] * 5
+        done = [wait_done(c, tokens["calm"], r.json()["id"]) for r in calm]
+        assert [t["state"] for t in done] == ["succeeded"] * 5
+        assert not stop.is_set() and all(thread.is_alive() for thread in bursts)  # it went on throughout
+    finally:
+        stop.set()
+        for thread in bursts:
+            thread.join(timeout=60)
+    assert set(answers) <= {201, 429}
+    with httpx.Client(headers={"Authorization": f"Bearer {tokens['burst']}"}, timeout=30) as http:
+        stored: set[str] = set()
+        for state in ("queued", "leased", "running", "succeeded"):
+            cursor = None
+            while True:
+                page = http.get(f"{c.url}/v1/tasks", params={"state": state, "limit": 1000,
+                                                             **({"cursor": cursor} if cursor else {})}).json()  # fmt: skip
+                stored |= {t["id"] for t in page["tasks"]}
+                if state == "queued":  # the shared pool serves the next tests: the burst's backlog goes
+                    for t in page["tasks"]:
+                        http.post(f"{c.url}/v1/tasks/{t['id']}/cancel")
+                cursor = page["next_cursor"]
+                if cursor is None:
+                    break
+    assert set(accepted) <= stored
 
 
 def test_the_sdk_and_the_cli_wait_out_a_429(limited: tuple[Cluster, dict[str, str]]) -> None:

@@ -1,9 +1,12 @@
 """The asynchronous shell around the synchronous controller: one database thread, wake-ups, the sweep.
 
 Every controller call runs on a single thread, so SQLite sees one writer and the controller's methods
-never interleave. That thread commits in groups: it takes every call that queued up while the last
+never interleave. That thread commits in groups: it takes the calls that queued up while the last
 commit was on disk, runs each in its own savepoint, and commits them together, so a burst of requests
-costs one fsync, and no caller hears back before its change is durable. A database failure inside a group
+costs one fsync, and no caller hears back before its change is durable. Which calls make a group, and in
+what order, is `lanes.Lanes`: workers' calls first, then tenants' submissions in turn, at most
+`PER_TENANT` of one tenant in a group, so a tenant flooding submissions does not hold back another
+tenant's call or a worker's result behind its backlog. A database failure inside a group
 (disk full, an I/O error, a dropped connection) can end its transaction early, so such a group is thrown
 away whole and each call runs again alone: a caller hears success only for a change that is on disk, and
 `StorageUnavailable` (503, Retry-After) otherwise.
@@ -27,7 +30,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import queue
 import threading
 from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +39,7 @@ from typing import Any, Generic, TypeVar
 from turnout.auth import TokenBook, WorkerKeys
 from turnout.controller import Controller, LeaseResult
 from turnout.errors import NotFound, StorageUnavailable
+from turnout.lanes import WORKER_LANE, Lanes
 from turnout.models import GpuMode, TaskSpec, Worker, WorkerState
 from turnout.store.notify import ALL, ANY_WORKER, ReplicaBus
 from turnout.store.replicas import claim_sweep, refresh_statistics
@@ -47,6 +50,7 @@ log = logging.getLogger("turnout.api")
 R = TypeVar("R")
 POLL_S = 1.0
 MAX_GROUP = 512  # calls committed together at most
+PER_TENANT = 16  # one tenant's submissions in one group at most (lanes.Lanes)
 HEARTBEAT_ANSWER_S = 0.5  # a heartbeat is answered by then even when its write still waits for the database
 ANALYZE_EVERY_S = 2.0  # how often one replica checks whether the tasks table's statistics went stale
 RECONNECT_GRACE_S = 1.0  # a worker whose held connection dropped has this long to open a new one
@@ -71,6 +75,33 @@ class _Job(Generic[R]):
             self.future.set_exception(self.error)
         else:
             self.future.set_result(self.result)
+
+
+class _JobQueue:
+    """`Lanes` behind a lock, for the event loop's threads to fill and the database thread to drain."""
+
+    def __init__(self) -> None:
+        self._lanes: Lanes[_Job[Any]] = Lanes(MAX_GROUP, PER_TENANT)
+        self._ready = threading.Condition()
+        self._closed = False
+
+    def put(self, job: _Job[Any], tenant: str | None) -> None:
+        with self._ready:
+            self._lanes.put(job, tenant)
+            self._ready.notify()
+
+    def close(self) -> None:
+        """No more calls: `take` answers what is left, then an empty group."""
+        with self._ready:
+            self._closed = True
+            self._ready.notify()
+
+    def take(self) -> list[_Job[Any]]:
+        """The next group, waiting for one; empty once closed and drained."""
+        with self._ready:
+            while not self._lanes and not self._closed:
+                self._ready.wait()
+            return self._lanes.take()
 
 
 class _GroupLost(Exception):
@@ -145,7 +176,7 @@ class Service:
         self.bus = bus  # the other replicas on this database, if it is PostgreSQL (store/notify.py)
         self.recheck_s = recheck_s  # how often a parked long poll looks again without a wake-up
         self.replica_id = bus.sender if bus is not None else "local"
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._jobs = _JobQueue()
         self._db = threading.Thread(target=self._run_jobs, name="turnout-db", daemon=True)
         self._db.start()
         self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="turnout-read")
@@ -186,28 +217,26 @@ class Service:
     async def call(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         """Run `fn` on the database thread; returns once its writes are committed (durable), and only then.
 
+        A submission (`Controller.submit`, its tenant the first argument) waits in its tenant's lane; every
+        other call in the workers' lane, which goes first (`lanes.Lanes`).
         Raises `StorageUnavailable` when the database could not keep them: nothing of `fn` is stored then.
         """
         loop = asyncio.get_running_loop()
         future: asyncio.Future[R] = loop.create_future()
-        self._jobs.put(_Job(functools.partial(fn, *args, **kwargs), loop, future))
+        self._jobs.put(_Job(functools.partial(fn, *args, **kwargs), loop, future), self._lane(fn, args))
         return await future
 
+    def _lane(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> str | None:
+        """The tenant whose submission this call is, or WORKER_LANE for any other call."""
+        if (
+            getattr(fn, "__func__", None) is Controller.submit
+            and getattr(fn, "__self__", None) is self.controller
+        ):
+            return str(args[0]) if args else WORKER_LANE
+        return WORKER_LANE
+
     def _run_jobs(self) -> None:
-        while True:
-            first = self._jobs.get()
-            if first is None:
-                return
-            batch = [first]
-            while len(batch) < MAX_GROUP:
-                try:
-                    job = self._jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if job is None:
-                    self._jobs.put(None)
-                    break
-                batch.append(job)
+        while batch := self._jobs.take():
             if not self._run_group(batch):
                 # Nothing of the group is on disk (SQLite may even have run later calls outside the
                 # transaction). Forget what was read inside it, and run every call again on its own.
@@ -437,7 +466,7 @@ class Service:
         await asyncio.gather(*self._background, return_exceptions=True)
         if self.bus is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.bus.close)
-        self._jobs.put(None)
+        self._jobs.close()
         await asyncio.get_running_loop().run_in_executor(None, self._db.join)
         self._readers.shutdown(wait=True)
         self.controller.store.close()
