@@ -84,8 +84,8 @@ class LeaseResult:
     backlog: bool = (
         False  # tasks it could serve stay queued (no room, or not its turn): its results should ask
     )
-    # leased to the worker after its list was written (by its other request, or chained): it may hold them
-    # unlisted, so a long poll watches them, and stops them if they stop (see `lease`'s `watching`)
+    # the worker's active tasks its list lacks (leased by its other request, or chained, after the list was
+    # written): it may hold them unlisted, so a long poll watches them, and says so if they stop (`watching`)
     fresh: tuple[str, ...] = ()
 
 
@@ -418,7 +418,7 @@ class Controller:
         cancel = self._to_stop(
             worker_id, [tid for tid in dict.fromkeys([*running, *watching]) if tid not in mine]
         )
-        fresh = tuple(t.id for t in mine.values() if (t.leased_at or 0.0) >= listed_at)
+        fresh = tuple(tid for tid in mine if tid not in held)  # a chained one's lease dates from its start
         # a task shows `running` once it has run a moment: a short one goes leased -> succeeded with no extra
         # write (and fsync) on its path; its started_at comes with its result
         started = [t for t in mine.values() if t.state is TaskState.LEASED and t.id in set(running)
