@@ -21,7 +21,7 @@ class SlowCanaryGpu:
     def metrics(self) -> list[GpuMetrics]:
         return [GpuMetrics("GPU-a", health="fell off the bus" if self.faulty else "ok")]
 
-    def fault_cleared(self, uuid: str) -> bool:  # what run_canary asks a fake provider
+    def canary(self, uuid: str) -> bool | None:  # what run_canary asks the provider
         self.canaries += 1
         self.canary_started.set()
         return self.release.wait(10)

@@ -258,8 +258,8 @@ class FakeGpuProvider:
         """Clear Xids, bus loss, unresponsiveness and a forced canary failure (ECC counts stay, as on real GPUs)."""
         self._update(self._physical(uuid), xid=[], fell_off_bus=False, unresponsive=False, canary_ok=True)
 
-    def fault_cleared(self, uuid: str) -> bool:
-        """The canary answer for a fake GPU: True when no device fault is asserted any more."""
+    def canary(self, uuid: str) -> bool | None:
+        """The canary answer for a fake GPU: True when no device fault is asserted any more (no CUDA here)."""
         entry = self._load().get(self._parent.get(uuid, uuid), {})
         return not (
             entry.get("fell_off_bus") or entry.get("unresponsive") or entry.get("canary_ok") is False

@@ -18,9 +18,9 @@ import subprocess
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from turnout.gpu.devices import GpuMetrics
+from turnout.gpu.provider import GpuProvider
 
 HEALTH_OK = "ok"
 FELL_OFF_BUS = "fell off the bus"
@@ -216,20 +216,20 @@ def run_canary(
     uuid: str,
     command: Sequence[str] | None = None,
     *,
-    provider: Any = None,
+    provider: GpuProvider | None = None,
     timeout_s: float = 60.0,
 ) -> bool:
     """Check whether a quarantined device works again. First that applies:
 
-    a user `command` (exit 0 = pass) run with `CUDA_VISIBLE_DEVICES` set to the device; a fake provider's
-    `fault_cleared(uuid)`; a small torch matmul on the device, in a child process so this process never
+    a user `command` (exit 0 = pass) run with `CUDA_VISIBLE_DEVICES` set to the device; the provider's own
+    answer (`GpuProvider.canary`: a fake knows its injected faults); a small torch matmul on the device, in a child process so this process never
     holds a CUDA context; else the provider's own reading of the device (answers, health ok, no device Xid).
     """
     if command:
         return _passes([*command], uuid, timeout_s)
-    cleared = getattr(provider, "fault_cleared", None)
-    if callable(cleared):
-        return bool(cleared(uuid))
+    answer = provider.canary(uuid) if provider is not None else None
+    if answer is not None:
+        return answer
     if importlib.util.find_spec("torch") is not None:
         return _passes([sys.executable, "-c", _TORCH_CANARY], uuid, timeout_s)
     if provider is None:

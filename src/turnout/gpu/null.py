@@ -15,3 +15,6 @@ class NullProvider:
 
     def metrics(self) -> list[GpuMetrics]:
         return []
+
+    def canary(self, uuid: str) -> bool | None:
+        return None

@@ -109,6 +109,9 @@ class NvmlProvider:
 
     # -- metrics ------------------------------------------------------------------------------------------------
 
+    def canary(self, uuid: str) -> bool | None:
+        return None  # a real device answers for itself: the canary runs a step on it
+
     def metrics(self) -> list[GpuMetrics]:
         if not self._handles:
             self.devices()

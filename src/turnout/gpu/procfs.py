@@ -103,6 +103,9 @@ class ProcfsProvider:
         self._files = {dev.uuid: info for dev, (_, _, info) in zip(devices, found, strict=True)}
         return devices
 
+    def canary(self, uuid: str) -> bool | None:
+        return None  # a real device answers for itself: the canary runs a step on it
+
     def metrics(self) -> list[GpuMetrics]:
         """No readings in /proc: only whether each device's entry is still there."""
         return [

@@ -51,6 +51,11 @@ class GpuProvider(Protocol):
 
     def metrics(self) -> list[GpuMetrics]: ...
 
+    def canary(self, uuid: str) -> bool | None:
+        """Whether a quarantined device works again, as only this provider can tell (a fake knows its injected
+        faults); None: it cannot tell, and the canary runs a real step on the device (`health.run_canary`)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Discovery:
@@ -166,15 +171,14 @@ class SubsetProvider:
 
     def __init__(self, inner: GpuProvider, devices: list[GpuDevice]) -> None:
         self.name = inner.name
-        self._inner = inner
+        self.inner = inner  # the whole provider (tests reach a fake's fault API through it)
         self._uuids = {dev.uuid for dev in devices}
 
     def devices(self) -> list[GpuDevice]:
-        return [dev for dev in self._inner.devices() if dev.uuid in self._uuids]
+        return [dev for dev in self.inner.devices() if dev.uuid in self._uuids]
 
     def metrics(self) -> list[GpuMetrics]:
-        return [m for m in self._inner.metrics() if m.uuid in self._uuids]
+        return [m for m in self.inner.metrics() if m.uuid in self._uuids]
 
-    def __getattr__(self, attr: str) -> object:
-        # Extra capabilities of the inner provider (a fake's fault API, `fault_cleared`) stay reachable.
-        return getattr(self._inner, attr)
+    def canary(self, uuid: str) -> bool | None:
+        return self.inner.canary(uuid) if uuid in self._uuids else None

@@ -329,6 +329,9 @@ class SmiProvider:
         rows = parse_query_csv(self._run([self._bin, "--query-gpu=uuid,compute_cap", "--format=csv,nounits"]))
         return {uuid: cap for row in rows if (uuid := row.get("uuid")) and (cap := row.get("compute_cap"))}
 
+    def canary(self, uuid: str) -> bool | None:
+        return None  # a real device answers for itself: the canary runs a step on it
+
     def metrics(self) -> list[GpuMetrics]:
         try:
             readings = self._csv_metrics()

@@ -91,7 +91,7 @@ def test_indices_keep_only_those_gpus_with_their_physical_indices() -> None:
     assert [(d.index, d.uuid) for d in found.devices] == [(0, "GPU-fake-0"), (2, "GPU-fake-2")]
     assert [m.uuid for m in found.provider.metrics()] == ["GPU-fake-0", "GPU-fake-2"]
     assert [d.index for d in found.provider.devices()] == [0, 2]
-    found.provider.inject("GPU-fake-2", xid=[79])  # type: ignore[attr-defined]  # the fake's API stays reachable
+    found.provider.inner.inject("GPU-fake-2", xid=[79])  # type: ignore[attr-defined]  # the fake's API, in reach
     assert found.provider.metrics()[1].xid_errors == (79,)
 
 

@@ -99,9 +99,9 @@ def test_processes_and_faults_on_a_mig_device_count_towards_its_parent() -> None
     fake.set_process("MIG-fake-0-1", 7, GIB)
     assert fake.metrics()[0].memory_used_bytes == GIB
     fake.inject("MIG-fake-0-0", xid=[94])
-    assert fake.metrics()[0].xid_errors == (94,) and not fake.fault_cleared("MIG-fake-0-0")
+    assert fake.metrics()[0].xid_errors == (94,) and not fake.canary("MIG-fake-0-0")
     fake.clear_faults("MIG-fake-0-0")
-    assert fake.fault_cleared("GPU-fake-0")
+    assert fake.canary("GPU-fake-0")
 
 
 def test_injected_faults_show_in_metrics_and_clear() -> None:
@@ -109,15 +109,15 @@ def test_injected_faults_show_in_metrics_and_clear() -> None:
     fake.inject("GPU-fake-1", xid=[79], fell_off_bus=True)
     lost = fake.metrics()[1]
     assert lost.health == FELL_OFF_BUS and lost.xid_errors == (79,) and lost.memory_used_bytes is None
-    assert not fake.fault_cleared("GPU-fake-1") and fake.fault_cleared("GPU-fake-0")
+    assert not fake.canary("GPU-fake-1") and fake.canary("GPU-fake-0")
     fake.clear_faults("GPU-fake-1")
-    assert fake.metrics()[1].health == "ok" and fake.fault_cleared("GPU-fake-1")
+    assert fake.metrics()[1].health == "ok" and fake.canary("GPU-fake-1")
 
 
 def test_application_xids_do_not_block_the_canary() -> None:
     fake = FakeGpuProvider("fake:1x80Gi")
     fake.inject("GPU-fake-0", xid=[13, 31])
-    assert fake.fault_cleared("GPU-fake-0")
+    assert fake.canary("GPU-fake-0")
 
 
 def test_unknown_uuid_is_refused() -> None:
