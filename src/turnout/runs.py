@@ -63,9 +63,7 @@ class Chains:
     """What became of the chained stages a worker's results named (`advance`)."""
 
     claimed: dict[str, str] = field(default_factory=dict)  # stage task id -> the next stage's id it started
-    started_at: dict[str, float] = field(
-        default_factory=dict
-    )  # next stage's id -> its start (worker's clock)
+    started_at: dict[str, float] = field(default_factory=dict)  # next stage's id -> its start (worker clock)
     created: dict[str, Task] = field(default_factory=dict)  # the accepted ones' tasks, as inserted
     accepted: list[str] = field(default_factory=list)  # created, leased to that worker
     reports: dict[str, Completion] = field(default_factory=dict)  # every result of the report, by task id
