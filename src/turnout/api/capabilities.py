@@ -22,8 +22,7 @@ def router(service: Service, guards: Guards) -> APIRouter:
 
     @api.get("/v1/capabilities")
     async def capabilities(p: Principal = guards.need(Action.READ)) -> dict[str, Any]:
-        seen = await guards.visible_workers(p)
-        workers = [w for w in await service.read(ctrl.workers) if seen is None or w.id in seen]
+        workers = await guards.visible_workers(p)
         depths = await service.read(ctrl.queue_depths, p.scope)
         learned = await service.read(ctrl.learned_profiles)
         return {"capabilities": capabilities_out(workers, depths, learned)}

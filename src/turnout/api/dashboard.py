@@ -83,8 +83,7 @@ def router(service: Service, guards: Guards) -> APIRouter:
         A tenant's view holds its own queues and tasks, and the workers that may serve it (its own and the
         shared pool's); other tenants' holds on those workers' GPUs show as `other tenants`, without ids."""
         tenant = p.scope
-        seen = await guards.visible_workers(p)
-        workers = [w for w in await service.read(ctrl.workers) if seen is None or w.id in seen]
+        workers = await guards.visible_workers(p)
         active = await service.read(ctrl.active_tasks)
         mine = await service.read(ctrl.task_stats, NON_TERMINAL, tenant=tenant)  # None: every tenant's
         recent = await service.read(ctrl.list_tasks, tenant, limit=RECENT_TASKS)

@@ -16,6 +16,7 @@ from turnout.access import ANONYMOUS_OPERATOR, Action, Principal, allow, worker_
 from turnout.api.service import Service
 from turnout.auth import WorkerCredential
 from turnout.auth import check as check_worker
+from turnout.models import Worker
 
 
 class Guards:
@@ -56,9 +57,11 @@ class Guards:
 
         return Depends(check)
 
-    async def visible_workers(self, p: Principal) -> set[str] | None:
-        """Ids of the workers this caller sees (its tenant's and the shared pool); None = all."""
+    async def visible_workers(self, p: Principal) -> list[Worker]:
+        """The workers this caller sees: its tenant's and the shared pool's (the operator: all)."""
+        ctrl = self.service.controller
+        workers = await self.service.read(ctrl.workers)
         if p.scope is None:
-            return None
-        tenants = await self.service.read(self.service.controller.worker_tenants)
-        return {w for w, serves in tenants.items() if worker_serves(serves, p.scope)}
+            return workers
+        tenants = await self.service.read(ctrl.worker_tenants)
+        return [w for w in workers if w.id in tenants and worker_serves(tenants[w.id], p.scope)]
