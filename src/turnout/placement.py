@@ -370,7 +370,9 @@ def place(task: Task, worker: Worker, room: Room, facts: Facts, *, now: float,
         cpu_fits=cpu_res is not None and fits(room, cpu_res), gpu_fits=grant is not None,
     )  # fmt: skip
     decision: Route | None = None
-    if task.spec.gpu is GpuMode.AUTO:  # earliest expected finish, once profiles exist (profiles.py)
+    if task.spec.gpu is GpuMode.AUTO and cluster.gpu_possible and cluster.cpu_possible:
+        # earliest expected finish, once profiles exist (profiles.py); with one class possible there is
+        # nothing to weigh, and `auto` routes as `prefer` does without reading the fleet
         verdict = auto_route(facts.auto(), task.spec.capability, offer, cluster)
         if isinstance(verdict, AutoRoute):
             if no_gpu is None:
