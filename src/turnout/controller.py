@@ -40,7 +40,6 @@ from turnout.runs import Chains
 from turnout.store import Store
 from turnout.store.files import FileRecord
 from turnout.store.replicas import hold_worker
-from turnout.store.runs import RunSample
 from turnout.tenancy import (
     RecentTenants,
     Reservations,
@@ -139,6 +138,7 @@ class Controller:
         from turnout.runs import PipelineRuns
 
         self.runs = PipelineRuns(self)  # pipeline runs: advanced in the same call that ends a stage
+        self._samples = profiles.PendingSamples()  # finished tasks' run times, written about once a second
 
     # ---- tasks -------------------------------------------------------------------------------
 
@@ -703,9 +703,8 @@ class Controller:
         return values
 
     def _learn(self, ended: Sequence[Task], by_id: Mapping[str, Completion], now: float) -> None:
-        """Fold each success into its (capability, device class, GPU model) profile, for `gpu: auto`: one
-        write per profile per call, however many tasks it brings (store/runs.py, `record_profiles`)."""
-        samples: dict[tuple[str, str, str | None], list[RunSample]] = {}
+        """Note each success for its (capability, device class, GPU model) profile, for `gpu: auto`; the notes
+        are written together about once a second (`profiles.PendingSamples`), not in every result's commit."""
         for t in ended:
             c = by_id[t.id]
             if not c.succeeded or c.run_s is None or t.device is None or t.worker_id is None:
@@ -713,13 +712,18 @@ class Controller:
             if t.worker_id.startswith("cloud:"):
                 continue  # a cloud endpoint's time says nothing about local devices
             usage = c.usage or {}
-            samples.setdefault((t.spec.capability, t.device.value, t.gpu_model), []).append(
-                RunSample(
-                    c.run_s, c.cold_start_s, usage.get("peak_gpu_memory_bytes"), usage.get("peak_rss_bytes")
-                )
-            )
-        for (capability, device, gpu_model), folded in samples.items():
-            self.runs.store.record_profiles(capability, device, gpu_model, folded, now)
+            sample = profiles.RunSample(c.run_s, c.cold_start_s, usage.get("peak_gpu_memory_bytes"),
+                               usage.get("peak_rss_bytes"))  # fmt: skip
+            self._samples.add((t.spec.capability, t.device.value, t.gpu_model or None), sample, now)
+        self.fold_samples(now, only_if_due=True)
+
+    def fold_samples(self, now: float, *, only_if_due: bool = False) -> None:
+        """Write the samples waiting in memory into their profiles (one write per profile); `only_if_due`: only
+        once the oldest has waited `profiles.FOLD_EVERY_S`."""
+        if only_if_due and not self._samples.due(now):
+            return
+        for (capability, device, gpu_model), samples in self._samples.take().items():
+            self.runs.store.record_profiles(capability, device, gpu_model, samples, now)
 
     def _cost(self, task: Task, run_s: float | None) -> float | None:
         if run_s is None or task.device is None:
@@ -980,8 +984,9 @@ class Controller:
         return self.store.list_audit(since, limit, tenant=tenant, kind=kind, after_id=after_id)
 
     def learned_profiles(self) -> list[profiles.Profile]:
-        """Observed run times and peaks per (capability, device, GPU model): what `gpu: auto` routes on."""
-        return self.store.runs.profiles()
+        """Observed run times and peaks per (capability, device, GPU model): what `gpu: auto` routes on, with
+        the samples not yet written folded in."""
+        return self._samples.overlay(self.store.runs.profiles())
 
     def cost_by_tenant(self) -> list[tuple[str, str, float]]:
         """(capability, tenant, USD) of every priced task."""
@@ -1088,6 +1093,7 @@ class _LeaseReads:
             if r["state"] != "queued" and r["device"]
         )
         queued = tuple((r["capability"], r["gpu_mode"], r["count"]) for r in stats if r["state"] == "queued")
+        self.ctrl.fold_samples(self.ctrl.clock())  # auto routes on every finished task's sample
         return profiles.Fleet(tuple(self.ctrl.runs.store.profiles()), tuple(self.healthy), active, queued)
 
     def gpu_fleet(self) -> placement.Fleet:

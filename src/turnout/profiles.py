@@ -13,12 +13,16 @@ device classes it behaves like `prefer`. Pure: the controller gathers the facts 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from turnout.models import Device, Worker
 
 GPU_MEMORY_HEADROOM = 1.25  # a learned gpu_memory is the observed peak plus a quarter
+EWMA = 0.3  # weight of the newest sample in a profile's moving averages: recent behaviour counts most
+FOLD_EVERY_S = 1.0  # how long finished tasks' samples wait in memory before they are written to the profiles
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,85 @@ class Profile:
         return {"device": self.device, "gpu_model": self.gpu_model, "samples": self.samples,
                 "run_s": round(self.run_s, 6), "cold_start_s": None if self.cold_start_s is None else round(self.cold_start_s, 6),
                 "peak_gpu_memory_bytes": self.peak_gpu_memory_bytes, "peak_rss_bytes": self.peak_rss_bytes}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RunSample:
+    """What one finished task tells its profile."""
+
+    run_s: float
+    cold_start_s: float | None = None
+    peak_gpu_memory_bytes: int | None = None
+    peak_rss_bytes: int | None = None
+
+
+ProfileKey = tuple[str, str, str | None]  # capability, device class, GPU model
+
+
+def fold(row: Any, samples: Sequence[RunSample]) -> dict[str, Any]:
+    """A profile's columns with `samples` folded in, oldest first, into `row` (a stored profile or anything
+    with its fields; None: no profile yet)."""
+    n = row.samples if row is not None else 0
+    run_s = row.run_s if row is not None else 0.0
+    cold = row.cold_start_s if row is not None else None
+    gpu = row.peak_gpu_memory_bytes if row is not None else None
+    rss = row.peak_rss_bytes if row is not None else None
+    for s in samples:
+        run_s = s.run_s if n == 0 else (1 - EWMA) * run_s + EWMA * s.run_s
+        if s.cold_start_s is not None:
+            cold = s.cold_start_s if cold is None else (1 - EWMA) * cold + EWMA * s.cold_start_s
+        gpu, rss, n = _max(gpu, s.peak_gpu_memory_bytes), _max(rss, s.peak_rss_bytes), n + 1
+    return {"samples": n, "run_s": run_s, "cold_start_s": cold, "peak_gpu_memory_bytes": gpu,
+            "peak_rss_bytes": rss}  # fmt: skip
+
+
+def _max(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+class PendingSamples:
+    """Finished tasks' samples not yet written to their profiles.
+
+    A profile is an estimate: writing it in the commit of every result cost a read and a write per report
+    (a quarter of the controller's work per no-op task). Samples wait here and are written together at most
+    every FOLD_EVERY_S (`due`, `take`), and before `auto` reads the profiles to route; a read for display
+    folds them in on top of what is stored (`overlay`). Samples of a controller that dies before writing
+    them are lost: at most a second of an estimate. The database thread adds and takes; readers overlay.
+    """
+
+    def __init__(self) -> None:
+        self._samples: dict[ProfileKey, list[RunSample]] = {}
+        self._lock = threading.Lock()
+        self._since: float | None = None  # when the oldest sample waiting arrived
+
+    def add(self, key: ProfileKey, sample: RunSample, now: float) -> None:
+        with self._lock:
+            self._samples.setdefault(key, []).append(sample)
+            if self._since is None:
+                self._since = now
+
+    def due(self, now: float) -> bool:
+        """Whether the oldest sample waiting has waited FOLD_EVERY_S."""
+        return self._since is not None and now - self._since >= FOLD_EVERY_S
+
+    def take(self) -> dict[ProfileKey, list[RunSample]]:
+        with self._lock:
+            taken, self._samples, self._since = self._samples, {}, None
+        return taken
+
+    def overlay(self, stored: Sequence[Profile]) -> list[Profile]:
+        """`stored` with the samples waiting here folded in (profiles they start included)."""
+        with self._lock:
+            waiting = {key: list(samples) for key, samples in self._samples.items()}
+        if not waiting:
+            return list(stored)
+        out = []
+        for p in stored:
+            samples = waiting.pop((p.capability, p.device, p.gpu_model), None)
+            out.append(replace(p, **fold(p, samples)) if samples else p)
+        for (capability, device, gpu_model), samples in waiting.items():
+            out.append(Profile(capability, device, gpu_model, **fold(None, samples)))
+        return out
 
 
 def learned_gpu_memory(profiles: Iterable[Profile]) -> int | None:

@@ -89,7 +89,6 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> APIRouter:
     def leased(result: LeaseResult) -> None:
         """Tasks went to a worker (by a lease poll or a completion's lease): their watchers and metrics hear."""
         if result.leases:
-            service.tasks_changed.notify()
             metrics.observe_leases(result.leases)
 
     @api.post("/v1/workers/{worker_id}/lease", response_class=FastJSON)
@@ -134,7 +133,7 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> APIRouter:
             answer.update(chained=done.chains.accepted, unchained=done.chains.refused)
         if done.accepted:
             service.capacity_freed(worker_id, done.lease)  # its capacity is free again; other workers' is not
-            service.tasks_changed.notify()
+            service.results_in(done.accepted)
         if done.lease is not None:
             leased(done.lease)
             answer.update(leases_out(done.lease))

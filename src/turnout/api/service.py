@@ -31,7 +31,7 @@ import contextlib
 import functools
 import logging
 import threading
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -183,9 +183,10 @@ class Service:
         self.queue_changed = Signal(self._publisher("queue"))  # new tasks, freed capacity, cancellations
         # cancellations, timeouts, workers coming and going: what `changed()` says (wakes full workers' polls)
         self.changes = Signal(self._publisher("changes"))
-        self.tasks_changed = Signal(
-            self._publisher("tasks")
-        )  # a task reached a terminal state or changed worker
+        # a task reached a terminal state by any way other than its worker's result (cancel, timeout, loss),
+        # or another replica says one did: every result wait looks again
+        self.tasks_changed = Signal(self._publisher("tasks"))
+        self._task_waits: dict[str, set[asyncio.Event]] = {}  # task id -> result waits on it (`watch_tasks`)
         self.events_added = Signal(self._publisher("events"))
         self._worker_signals: dict[
             str, Signal
@@ -297,6 +298,33 @@ class Service:
         admit_submission(self.submissions, self.gpu_submissions, tenant, n, n_gpu_only)
 
     # ---- wake-ups ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def watch_tasks(self, task_ids: Iterable[str]) -> Iterator[asyncio.Event]:
+        """An event set when a worker's result ends one of these tasks (`results_in`). A result wakes only the
+        waits on its own tasks: with every wait woken by every result, each one re-read its task at every
+        completion in the cluster. Waiters also wait on `tasks_changed`, for the other ways a task ends."""
+        event = asyncio.Event()
+        ids = list(task_ids)
+        for task_id in ids:
+            self._task_waits.setdefault(task_id, set()).add(event)
+        try:
+            yield event
+        finally:
+            for task_id in ids:
+                waits = self._task_waits.get(task_id)
+                if waits is not None:
+                    waits.discard(event)
+                    if not waits:
+                        del self._task_waits[task_id]
+
+    def results_in(self, task_ids: Iterable[str]) -> None:
+        """Workers' results ended these tasks: wake the waits on them here, and every replica's waits."""
+        for task_id in task_ids:
+            for event in self._task_waits.get(task_id, ()):
+                event.set()
+        if self.bus is not None:
+            self.bus.publish("tasks")
 
     def worker_signal(self, worker_id: str) -> Signal:
         signal = self._worker_signals.get(worker_id)
@@ -466,6 +494,8 @@ class Service:
         await asyncio.gather(*self._background, return_exceptions=True)
         if self.bus is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.bus.close)
+        with contextlib.suppress(Exception):  # a database that fails now loses a second of run-time samples
+            await self.call(self.controller.fold_samples, self.controller.clock())
         self._jobs.close()
         await asyncio.get_running_loop().run_in_executor(None, self._db.join)
         self._readers.shutdown(wait=True)
@@ -475,6 +505,7 @@ class Service:
         """One round of the sweep, if this replica claims it (one replica per round; the claim rides in the
         sweep's transaction). Returns whether anything changed."""
         ctrl = self.controller
+        ctrl.fold_samples(ctrl.clock(), only_if_due=True)  # each replica writes the run times it heard
         if not claim_sweep(ctrl.store, "reap", self.replica_id, ctrl.clock(), interval_s):
             return False
         return ctrl.reap(self.heard)

@@ -88,12 +88,13 @@ def router(service: Service, guards: Guards) -> APIRouter:
     ) -> FastJSON:
         deadline = time.monotonic() + wait
         while True:
-            signal = service.tasks_changed.current()
-            task = await service.read(ctrl.get_task, p.scope, task_id)
-            left = deadline - time.monotonic()
-            if task.state.terminal or left <= 0:
-                return FastJSON(task_out(task))
-            await Signal.wait(signal, min(left, service.recheck_s))
+            with service.watch_tasks([task_id]) as ended:
+                signal = service.tasks_changed.current()
+                task = await service.read(ctrl.get_task, p.scope, task_id)
+                left = deadline - time.monotonic()
+                if task.state.terminal or left <= 0:
+                    return FastJSON(task_out(task))
+                await Signal.wait_any([ended, signal], min(left, service.recheck_s))
 
     @api.post("/v1/tasks/{task_id}/cancel")
     async def cancel(task_id: str, p: Principal = need(Action.SUBMIT)) -> dict[str, Any]:

@@ -26,9 +26,8 @@ from turnout.models import Task, TaskState, Worker, WorkerState
 
 if TYPE_CHECKING:
     from turnout.pipelines import PipelineRun
-    from turnout.profiles import Profile
+    from turnout.profiles import Profile, RunSample
     from turnout.store.files import FileRecord
-    from turnout.store.runs import RunSample
 
 # (task id, the states it may be in, the attempt it must be at or None for any, the column values to set)
 TaskChange = tuple[str, Sequence[TaskState], "int | None", dict[str, Any]]

@@ -32,11 +32,11 @@ import sqlalchemy as sa
 
 from turnout.models import Task, TaskState, Worker, WorkerState
 from turnout.pipelines import PipelineRun, RunState
-from turnout.profiles import Profile
+from turnout.profiles import Profile, RunSample, fold
 from turnout.store import schema
 from turnout.store.base import TaskChange
 from turnout.store.files import FileRecord
-from turnout.store.runs import RunSample, _fold, _run, _run_row
+from turnout.store.runs import _run, _run_row
 from turnout.store.sql import _dedupe, _encode, _task, _worker, _worker_row
 
 _MISSING = object()
@@ -684,7 +684,7 @@ class MemoryRuns:
         key = (capability, device, gpu_model or "")
         with s._transaction():
             row = s._profiles.get(key)
-            folded = _fold(None if row is None else SimpleNamespace(**row), samples)
+            folded = fold(None if row is None else SimpleNamespace(**row), samples)
             if row is None:
                 values = {"capability": capability, "device": device, "gpu_model": gpu_model or "", **folded,
                           "updated_at": now}  # fmt: skip

@@ -7,7 +7,6 @@ caller's `group()` transaction when there is one, so a stage's result and the ne
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
@@ -16,13 +15,12 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from turnout.models import GpuMode
 from turnout.pipelines import PipelineRun, RunState, Stage
-from turnout.profiles import Profile
+from turnout.profiles import Profile, RunSample, fold
 from turnout.store import schema
 from turnout.store.sql import SqlStore
 
 R = schema.pipeline_runs
 P = schema.profiles
-EWMA = 0.3  # weight of the newest sample in a profile's moving averages: recent behaviour counts most
 
 
 class RunStore:
@@ -122,7 +120,7 @@ class RunStore:
             row = conn.execute(read.with_for_update(skip_locked=True) if postgres else read).first()
             if row is None and postgres and conn.execute(sa.select(P.c.samples).where(*key)).first():
                 return False  # another replica holds the row now
-            folded = _fold(row, samples)
+            folded = fold(row, samples)
             if row is not None:
                 conn.execute(P.update().where(*key).values(**folded, updated_at=now))
                 return True
@@ -137,36 +135,6 @@ class RunStore:
         with self.store._read() as conn:
             return [Profile(r.capability, r.device, r.gpu_model or None, r.samples, r.run_s, r.cold_start_s,
                             r.peak_gpu_memory_bytes, r.peak_rss_bytes) for r in conn.execute(sa.select(P))]  # fmt: skip
-
-
-@dataclass(frozen=True)
-class RunSample:
-    """What one finished task tells its profile."""
-
-    run_s: float
-    cold_start_s: float | None = None
-    peak_gpu_memory_bytes: int | None = None
-    peak_rss_bytes: int | None = None
-
-
-def _fold(row: Any, samples: Sequence[RunSample]) -> dict[str, Any]:
-    """A profile's columns with `samples` folded in, oldest first, into `row` (None: no profile yet)."""
-    n = row.samples if row is not None else 0
-    run_s = row.run_s if row is not None else 0.0
-    cold = row.cold_start_s if row is not None else None
-    gpu = row.peak_gpu_memory_bytes if row is not None else None
-    rss = row.peak_rss_bytes if row is not None else None
-    for s in samples:
-        run_s = s.run_s if n == 0 else (1 - EWMA) * run_s + EWMA * s.run_s
-        if s.cold_start_s is not None:
-            cold = s.cold_start_s if cold is None else (1 - EWMA) * cold + EWMA * s.cold_start_s
-        gpu, rss, n = _max(gpu, s.peak_gpu_memory_bytes), _max(rss, s.peak_rss_bytes), n + 1
-    return {"samples": n, "run_s": run_s, "cold_start_s": cold, "peak_gpu_memory_bytes": gpu,
-            "peak_rss_bytes": rss}  # fmt: skip
-
-
-def _max(a: int | None, b: int | None) -> int | None:
-    return b if a is None else a if b is None else max(a, b)
 
 
 def _run_row(run: PipelineRun) -> dict[str, Any]:

@@ -1,0 +1,56 @@
+"""A result wait is woken by its own task's result, not by every result in the cluster: each wake costs a read
+of the task, and with every wait woken by every result, waits cost reads in proportion to the cluster's work."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tests.inprocess.conftest import Api
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_a_result_wait_reads_again_only_for_its_own_tasks_result(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    api.service.recheck_s = 30.0  # no periodic look: only a wake-up can end the wait early
+    reads: list[str] = []
+    get_task = api.ctrl.get_task
+
+    def counted(tenant: str | None, task_id: str):  # type: ignore[no-untyped-def]
+        reads.append(task_id)
+        return get_task(tenant, task_id)
+
+    monkeypatch.setattr(api.ctrl, "get_task", counted)
+    worker = await api.worker()
+    mine, other = await api.submit(gpu="never"), await api.submit(gpu="never")
+    leases = {t["id"]: t for t in (await worker.lease())["tasks"]}
+    # Given a client waiting for the result of `mine`
+    waiting = asyncio.ensure_future(api.client.get(f"/v1/tasks/{mine['id']}/result", params={"wait": 20}))
+    while not reads:
+        await asyncio.sleep(0.01)
+    # When another task's result comes in
+    assert (await worker.complete(leases[other["id"]], {"n": 2}))["accepted"] == [other["id"]]
+    await asyncio.sleep(0.2)
+    # Then the wait did not read again
+    assert reads == [mine["id"]] and not waiting.done()
+    # And its own task's result answers it at once
+    started = time.monotonic()
+    assert (await worker.complete(leases[mine["id"]], {"n": 1}))["accepted"] == [mine["id"]]
+    done = (await asyncio.wait_for(waiting, 5)).json()
+    assert (done["state"], done["output"]) == ("succeeded", {"n": 1})
+    assert time.monotonic() - started < 5 and reads == [mine["id"]] * 2
+
+
+async def test_a_result_wait_still_hears_a_cancel(api: Api) -> None:
+    api.service.recheck_s = 30.0
+    await api.worker()
+    task = await api.submit(gpu="never")
+    waiting = asyncio.ensure_future(api.client.get(f"/v1/tasks/{task['id']}/result", params={"wait": 20}))
+    await asyncio.sleep(0.1)
+    assert (await api.client.post(f"/v1/tasks/{task['id']}/cancel")).status_code == 200
+    done = (await asyncio.wait_for(waiting, 5)).json()
+    assert done["state"] == "cancelled"
