@@ -143,6 +143,29 @@ def test_a_call_that_fails_on_its_own_leaves_the_rest_of_its_group_committed(tmp
     run_with_service(store, FakeClock(), body)
 
 
+def test_a_call_alone_in_its_group_that_fails_after_writing_keeps_nothing_and_answers_its_error(
+    tmp_path: Path,
+) -> None:
+    store = open_store(f"sqlite:///{tmp_path / 'one.db'}")
+
+    def submit_then_fail(ctrl: Controller) -> None:
+        ctrl.submit("default", [spec("written, then undone")])
+        raise LookupError("the call failed after its write")
+
+    async def body(service: Service) -> None:
+        ctrl = service.controller
+        await register(service)
+        # Given a call that writes and then raises, alone in its group (no savepoint around it)
+        with pytest.raises(LookupError, match="after its write"):
+            await service.call(submit_then_fail, ctrl)
+        # Then its write was rolled back, and the next call alone commits as usual
+        assert store.list_tasks(tenant=None) == []
+        [task] = await service.call(ctrl.submit, "default", [spec("kept")])
+        assert store.get_task(task.id) is not None
+
+    run_with_service(store, FakeClock(), body)
+
+
 @pytest.mark.postgres
 def test_a_group_whose_postgres_connection_dies_is_run_again_call_by_call(tmp_path: Path) -> None:
     from tests.contract.test_store import PG_URL, _fresh_pg_database

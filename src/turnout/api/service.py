@@ -108,6 +108,10 @@ class _GroupLost(Exception):
     """A call in the group hit a database failure: the group's transaction cannot be trusted."""
 
 
+class _CallFailed(Exception):
+    """A group's only call raised: its transaction is rolled back, and the call's error is its answer."""
+
+
 def storage_unavailable(exc: BaseException) -> StorageUnavailable:
     """What a caller hears for a database failure; the driver's text (and any SQL) stays in the log."""
     log.error("storage failure: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
@@ -251,6 +255,8 @@ class Service:
     def _run_group(self, batch: list[_Job[Any]]) -> bool:
         """Run the calls in one transaction, each in a savepoint; False if the transaction was lost."""
         store = self.controller.store
+        if len(batch) == 1:
+            return self._run_one(batch[0])
         try:
             with store.group() as conn:
                 for job in batch:
@@ -271,6 +277,33 @@ class Service:
             return False
         except Exception as exc:  # the commit itself failed: nobody's change is durable
             log.warning("commit of %d calls failed (%s); running each alone", len(batch), exc)
+            return False
+        return True
+
+    def _run_one(self, job: _Job[Any]) -> bool:
+        """A group of one call, in the transaction itself: no savepoint to open and release (two statements,
+        most of a lone call's overhead), since its own failure rolls back all the transaction holds, which is
+        its writes. False if the transaction was lost."""
+        store = self.controller.store
+        try:
+            with store.group() as conn:
+                try:
+                    job.result = job.fn()
+                except BaseException as exc:
+                    job.error = exc
+                    if is_storage_failure(exc) or not store.intact(conn):
+                        raise _GroupLost from exc
+                    raise _CallFailed from None  # out of the transaction: its writes are rolled back
+                if not store.intact(conn):
+                    raise _GroupLost
+        except _CallFailed:
+            return True  # the call's own error stands; nothing of it was kept
+        except _GroupLost as lost:
+            log.warning("a call was lost to a database failure (%s); running it again",
+                        lost.__cause__ or "transaction ended early")  # fmt: skip
+            return False
+        except Exception as exc:  # the commit (or the rollback) failed: nothing of the call is durable
+            log.warning("commit of one call failed (%s); running it again", exc)
             return False
         return True
 
