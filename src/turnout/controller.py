@@ -107,6 +107,7 @@ class Exchange:
     queued: Sequence[str]  # tasks queued by these results (pipelines' next stages)
     lease: LeaseResult | None = None  # None: the worker asked for no work
     chains: Chains = field(default_factory=Chains)  # the next stages these results said were started
+    runs: frozenset[str] = frozenset()  # pipeline runs whose stages these results ended
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,7 @@ class Settled:
     accepted: list[str]
     refused: list[str]
     chains: Chains
+    runs: frozenset[str] = frozenset()  # pipeline runs whose stages these results ended
 
 
 class Controller:
@@ -584,16 +586,16 @@ class Controller:
         accepted, refused = settled.accepted, settled.refused
         queued = self.runs.take_queued()
         if ask is None:
-            return Exchange(accepted, refused, queued, chains=settled.chains)
+            return Exchange(accepted, refused, queued, chains=settled.chains, runs=settled.runs)
         if not self._tenants_queued():
-            return Exchange(accepted, refused, queued, LeaseResult(), settled.chains)
+            return Exchange(accepted, refused, queued, LeaseResult(), settled.chains, settled.runs)
         done = set(accepted)
         running = [tid for tid in ask.running if tid not in done]
         try:
             got = self.offer(worker_id, max_tasks=ask.max_tasks, running=running, tenant=ask.tenant)
         except NotFound:  # it left (or was never here): its verdicts stand, and it gets no work
             got = LeaseResult()
-        return Exchange(accepted, refused, queued, got, settled.chains)
+        return Exchange(accepted, refused, queued, got, settled.chains, settled.runs)
 
     def offer(self, worker_id: str, **ask: Any) -> LeaseResult:
         """`lease`, with each pipeline stage's lease telling the stages that may run right after it there."""
@@ -634,7 +636,8 @@ class Controller:
         self._learn(ended, {c.task_id: c for c in completions}, self.clock())
         finished = set(accepted)
         refused = [c.task_id for c in completions if c.task_id not in finished]
-        return Settled(accepted, refused, chains)
+        runs = frozenset(t.pipeline_run_id for t in ended if t.pipeline_run_id)
+        return Settled(accepted, refused, chains, runs)
 
     def _settle_round(
         self, worker_id: str, completions: Sequence[Completion], chains: Chains, ended_so_far: list[Task]

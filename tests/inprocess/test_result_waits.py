@@ -6,9 +6,20 @@ from __future__ import annotations
 import asyncio
 import time
 
+import httpx
 import pytest
 
 from tests.inprocess.conftest import Api
+from tests.inprocess.harness import FakeClock
+from turnout.access import ALL_TENANTS
+from turnout.api.app import create_app
+from turnout.api.service import Service
+from turnout.auth import TokenBook
+from turnout.config import ControllerSettings
+from turnout.controller import Controller
+from turnout.models import Role
+from turnout.pipelines import parse_pipelines
+from turnout.store import MemoryStore
 
 pytestmark = pytest.mark.anyio
 
@@ -54,3 +65,31 @@ async def test_a_result_wait_still_hears_a_cancel(api: Api) -> None:
     assert (await api.client.post(f"/v1/tasks/{task['id']}/cancel")).status_code == 200
     done = (await asyncio.wait_for(waiting, 5)).json()
     assert done["state"] == "cancelled"
+
+
+async def test_a_pipeline_runs_wait_wakes_on_its_stages_results_alone() -> None:
+    # Given the API with a two-stage pipeline, no periodic look (only a wake-up ends a wait early)
+    store = MemoryStore()
+    tokens = TokenBook(store)
+    _, admin = tokens.create(Role.ADMIN, ALL_TENANTS)
+    pipelines = parse_pipelines({"two": {"stages": [{"capability": "shout", "gpu": "never"}] * 2}})
+    settings = ControllerSettings(heartbeat_s=1.0, pipelines=pipelines)
+    service = Service(Controller(store, settings, clock=FakeClock()), tokens, recheck_s=30.0)
+    app = create_app(service)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://turnout",
+                                     headers={"Authorization": f"Bearer {admin}"}) as client:  # fmt: skip
+            api = Api(client, service, FakeClock(), store)
+            worker = await api.worker()
+            resp = await client.post("/v1/pipelines/two/runs", json={"input": {"text": "hi"}})
+            assert resp.status_code == 201, resp.text
+            run_id = resp.json()["id"]
+            waiting = asyncio.ensure_future(client.get(f"/v1/pipeline-runs/{run_id}", params={"wait": 20}))
+            # When each stage's result comes in (the second stage queued by the first one's commit)
+            for _ in range(2):
+                [stage] = (await worker.lease())["tasks"]
+                assert (await worker.complete(stage, {"text": "HI"}))["accepted"] == [stage["id"]]
+            # Then the wait answers at once, not after its 30 s look
+            run = (await asyncio.wait_for(waiting, 5)).json()
+            assert run["state"] == "succeeded"

@@ -43,18 +43,14 @@ def router(service: Service, guards: Guards) -> APIRouter:
     async def answer(tenant: str | None, run_id: str, wait: float, status_code: int = 200) -> FastJSON:
         """The run once it ends or `wait` seconds pass, encoded in one step (a waiting client is on the clock)."""
         deadline = time.monotonic() + wait
-        watched: list[str] = []  # the run's tasks not ended when last read: a result for one wakes this wait
         while True:
-            with service.watch_tasks(watched) as ended:
+            with service.watch_tasks([run_id]) as ended:  # a result that ends one of its stages names the run
                 signal = service.tasks_changed.current()
                 run, tasks = await service.read(_run_and_tasks, tenant, run_id)
                 left = deadline - time.monotonic()
                 if run.state.terminal or left <= 0:
                     return FastJSON(run_out(run, tasks, ctrl.settings.prices), status_code=status_code)
-                now_open = [t.id for t in tasks if t is not None and not t.state.terminal]
-                if now_open == watched:
-                    await Signal.wait_any([ended, signal], min(left, service.recheck_s))
-            watched = now_open  # a stage the read found new is watched from the next read on
+                await Signal.wait_any([ended, signal], min(left, service.recheck_s))
 
     def _run_and_tasks(tenant: str | None, run_id: str) -> tuple[PipelineRun, list[Task | None]]:
         run = runs.get(tenant, run_id)

@@ -133,7 +133,7 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> APIRouter:
             answer.update(chained=done.chains.accepted, unchained=done.chains.refused)
         if done.accepted:
             service.capacity_freed(worker_id, done.lease)  # its capacity is free again; other workers' is not
-            service.results_in(done.accepted)
+            service.results_in([*done.accepted, *done.runs])  # a run's wait watches the run's id
         if done.lease is not None:
             leased(done.lease)
             answer.update(leases_out(done.lease))

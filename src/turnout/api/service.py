@@ -334,9 +334,10 @@ class Service:
 
     @contextlib.contextmanager
     def watch_tasks(self, task_ids: Iterable[str]) -> Iterator[asyncio.Event]:
-        """An event set when a worker's result ends one of these tasks (`results_in`). A result wakes only the
-        waits on its own tasks: with every wait woken by every result, each one re-read its task at every
-        completion in the cluster. Waiters also wait on `tasks_changed`, for the other ways a task ends."""
+        """An event set when a worker's result ends one of these tasks, or a stage of these pipeline runs
+        (`results_in`). A result wakes only the waits on its own task and run: with every wait woken by every
+        result, each one re-read its task at every completion in the cluster. Waiters also wait on
+        `tasks_changed`, for the other ways a task ends."""
         event = asyncio.Event()
         ids = list(task_ids)
         for task_id in ids:
@@ -352,7 +353,8 @@ class Service:
                         del self._task_waits[task_id]
 
     def results_in(self, task_ids: Iterable[str]) -> None:
-        """Workers' results ended these tasks: wake the waits on them here, and every replica's waits."""
+        """Workers' results ended these tasks (or stages of these runs): wake the waits on them here, and every
+        replica's waits."""
         for task_id in task_ids:
             for event in self._task_waits.get(task_id, ()):
                 event.set()
