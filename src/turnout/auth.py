@@ -114,10 +114,6 @@ class WorkerCredential:
     token_id: str
     tenant: str  # the tenant it serves; "*" for a shared pool
 
-    @property
-    def audit_tenant(self) -> str | None:
-        return None if self.tenant == ALL_TENANTS else self.tenant
-
 
 class WorkerKeys:
     """Issues and checks worker secrets. Credentials never change, so they are cached for good."""

@@ -135,7 +135,6 @@ class ControllerSettings:
     prices: Prices = field(default_factory=Prices)
     request_limits: RequestLimits = field(default_factory=RequestLimits)  # `request_limits:`, per request
     tenant_limits: LimitsTable = field(default_factory=LimitsTable)  # `limits:`, per tenant
-    raw_config: dict[str, Any] = field(default_factory=dict)
     pipelines: Mapping[str, Pipeline] = field(default_factory=dict)
     escalation: EscalationSettings | None = None
 
@@ -224,7 +223,7 @@ def controller_settings(
     )
     overrides.setdefault("pipelines", pipelines)
     overrides.setdefault("escalation", escalation)
-    return ControllerSettings(prices=prices, request_limits=limits, raw_config=raw, recheck_s=float(recheck),
+    return ControllerSettings(prices=prices, request_limits=limits, recheck_s=float(recheck),
                               file_retention_s=float(retention), **overrides)  # fmt: skip
 
 

@@ -1,9 +1,7 @@
 """Log lines a machine can read: `--log-format json|text`, with task and worker ids as their own fields.
 
-Ids reach a record four ways, first that has one wins:
+Ids reach a record three ways, first that has one wins:
 - `extra={"task_id": ..., "worker_id": ...}` at the call site;
-- `bind_task(task_id)` in the coroutine or thread handling that task (a context variable, so concurrent tasks
-  on one event loop keep their own);
 - an argument of the message that is a task or worker id (`log.warning("stopping task %s", task_id)`):
   ids have one shape (`t_` or `w_` and 24 hex digits, see `controller.new_id`), so a line that names one is
   about it, and no call site can forget to say so;
@@ -14,7 +12,6 @@ A line about no task and no worker carries neither field, rather than an empty o
 
 from __future__ import annotations
 
-import contextvars
 import json
 import logging
 import re
@@ -27,15 +24,9 @@ from turnout.errors import InvalidInput
 
 LOG_FORMATS = ("text", "json")
 _ID = re.compile(r"^[tw]_[0-9a-f]{24}$")
-_TASK: contextvars.ContextVar[str | None] = contextvars.ContextVar("turnout_task_id", default=None)
 _WORKER: Callable[[], str | None] = lambda: None  # noqa: E731 - replaced per worker process
 # attributes every LogRecord has; anything else on a record came from `extra=` and goes into the JSON line
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
-
-
-def bind_task(task_id: str | None) -> contextvars.Token[str | None]:
-    """Every line logged from here on in this context (coroutine, thread) is about `task_id`."""
-    return _TASK.set(task_id)
 
 
 def set_worker(getter: Callable[[], str | None]) -> None:
@@ -50,7 +41,7 @@ class IdsFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         named = _ids_in(record.args)
         if getattr(record, "task_id", None) is None:
-            record.task_id = _TASK.get() or named.get("t_")
+            record.task_id = named.get("t_")
         if getattr(record, "worker_id", None) is None:
             record.worker_id = named.get("w_") or _WORKER()
         return True

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from turnout.errors import InvalidInput
@@ -184,12 +184,3 @@ def model_matches(wanted: tuple[str, ...], model_name: str) -> int | None:
         if want.lower() in lowered:
             return rank
     return None
-
-
-@dataclass(frozen=True)
-class Capacity:
-    """A worker's CPU-side capacity."""
-
-    cpu: float
-    memory_bytes: int
-    extra: dict[str, Any] = field(default_factory=dict)

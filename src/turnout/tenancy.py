@@ -45,10 +45,6 @@ class LimitsTable:
         return self.tenants.get(tenant, self.default)
 
     @property
-    def any_gpu_quota(self) -> bool:
-        return any(t.max_gpus is not None for t in (self.default, *self.tenants.values()))
-
-    @property
     def any_reserved_share(self) -> bool:
         return any(t.reserved_share is not None for t in (self.default, *self.tenants.values()))
 

@@ -830,7 +830,3 @@ def _worker(r: Any) -> Worker:
         last_heartbeat=r.last_heartbeat, heartbeat_s=r.heartbeat_s, metrics=r.metrics or {},
         quarantined=r.quarantined or {},
     )  # fmt: skip
-
-
-def sqlite_path(url: str) -> str | None:
-    return os.path.expanduser(url[len("sqlite:///") :]) if url.startswith("sqlite:///") else None

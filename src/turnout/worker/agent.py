@@ -622,9 +622,6 @@ class Agent:
             for r in self.runnables.values():
                 await r.pool.reap_idle()
 
-    def handler_pids(self) -> list[int]:
-        return [pid for r in self.runnables.values() for pid in r.pool.pids()]
-
     async def _lifeline_loop(self) -> None:
         """Hold the lifeline (`client.hold_lifeline`) for as long as this process lives, reopening it at once.
 
