@@ -27,6 +27,7 @@ from turnout.api import (
     workers,
 )
 from turnout.api import metrics as prometheus
+from turnout.api.fastpath import WorkerFastPath
 from turnout.api.gate import SubmitGate
 from turnout.api.guards import Guards
 from turnout.api.limits import BodyLimit
@@ -55,10 +56,12 @@ def create_app(service: Service) -> FastAPI:
     app.router.route_class = StrictJsonRoute  # every JSON body is parsed strictly (api/strictjson.py)
     errors.install(app)
     settings = service.controller.settings
-    app.add_middleware(BodyLimit, limits=settings.request_limits)
-    app.add_middleware(SubmitGate, service=service)  # outermost: 429 over the rate, body unread
     guards = Guards(service)
     metrics = prometheus.Metrics(service.controller)
+    worker_routes = protocol.router(service, guards, metrics)
+    app.add_middleware(WorkerFastPath, service=service, complete=worker_routes.complete)  # inside the limits
+    app.add_middleware(BodyLimit, limits=settings.request_limits)
+    app.add_middleware(SubmitGate, service=service)  # outermost: 429 over the rate, body unread
 
     # in this order: the OpenAPI document lists the routes as they are included
     app.include_router(docs.router(app, guards))
@@ -66,7 +69,7 @@ def create_app(service: Service) -> FastAPI:
     app.include_router(tasks.router(service, guards))
     app.include_router(capabilities.router(service, guards))
     app.include_router(workers.router(service, guards))
-    app.include_router(protocol.router(service, guards, metrics))
+    app.include_router(worker_routes.router)
     app.include_router(tokens.router(service, guards))
     app.include_router(audit.router(service, guards))
     app.include_router(lifeline.router(service, guards.this_worker()))  # held by the worker as it heartbeats

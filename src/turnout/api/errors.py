@@ -56,9 +56,14 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        if is_storage_failure(exc):  # a database failure outside Service.call/read: 503, never SQL text
-            return error_response(storage_unavailable(exc))
-        log.exception("unexpected error")
-        return JSONResponse(
-            {"error": {"type": "internal", "message": f"{type(exc).__name__}: {exc}"}}, status_code=500
-        )
+        return unexpected_response(exc)
+
+
+def unexpected_response(exc: Exception) -> JSONResponse:
+    """A failure no route expected: a database failure is a 503 (never SQL text), anything else a JSON 500."""
+    if is_storage_failure(exc):  # a database failure outside Service.call/read
+        return error_response(storage_unavailable(exc))
+    log.exception("unexpected error")
+    return JSONResponse(
+        {"error": {"type": "internal", "message": f"{type(exc).__name__}: {exc}"}}, status_code=500
+    )

@@ -16,6 +16,8 @@ Every route but register proves the caller is the worker in the path: its regist
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Header, Request
@@ -42,8 +44,18 @@ from turnout.controller import LeaseResult, new_id
 from turnout.errors import InvalidInput
 from turnout.models import Worker
 
+CompleteAnswer = Callable[[str, CompleteIn, WorkerCredential], Awaitable[FastJSON]]
 
-def router(service: Service, guards: Guards, metrics: Metrics) -> APIRouter:
+
+@dataclass(frozen=True)
+class WorkerRoutes:
+    """The protocol's router, and the answer to a report (`complete`), which `fastpath.py` also gives."""
+
+    router: APIRouter
+    complete: CompleteAnswer
+
+
+def router(service: Service, guards: Guards, metrics: Metrics) -> WorkerRoutes:
     api = APIRouter(route_class=StrictJsonRoute)
     ctrl = service.controller
     limits = ctrl.settings.request_limits
@@ -125,6 +137,9 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> APIRouter:
     @api.post("/v1/workers/{worker_id}/complete", response_class=FastJSON)
     async def complete(worker_id: str, body: CompleteIn, me: WorkerCredential = this_worker()) -> FastJSON:
         """Results, and (with `lease`) the next work for the room they free: one exchange, one commit."""
+        return await complete_answer(worker_id, body, me)
+
+    async def complete_answer(worker_id: str, body: CompleteIn, me: WorkerCredential) -> FastJSON:
         completions = [r.to_completion() for r in body.results]
         ask = body.lease.to_ask(me.tenant) if body.lease else None
         done = await service.call(ctrl.exchange, worker_id, completions, ask)
@@ -170,4 +185,4 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> APIRouter:
         service.changed()
         return {"ok": True}
 
-    return api
+    return WorkerRoutes(api, complete_answer)

@@ -1,0 +1,159 @@
+"""`WorkerFastPath` answers a plain report itself and passes everything else to the route, body intact.
+
+Driven as ASGI, around a stand-in for the rest of the app that records what reaches it, with a real service
+whose token and worker caches were filled by a real registration (the in-process API, conftest.py)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.inprocess.conftest import Api, Worker
+from turnout.api.fastpath import WorkerFastPath
+from turnout.api.schemas import CompleteIn, FastJSON
+from turnout.auth import WorkerCredential
+from turnout.errors import NotFound
+
+pytestmark = pytest.mark.anyio
+REPORT = {"results": [{"task_id": "t_0123456789abcdef01234567", "attempt": 1, "status": "succeeded",
+                       "output": {"n": 1}, "run_s": 0.1}]}  # fmt: skip
+
+
+class Rest:
+    """The app behind the fast path: records each request that reaches it and the body it read."""
+
+    def __init__(self) -> None:
+        self.bodies: list[bytes] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        self.bodies.append(body)
+        await FastJSON({"route": True})(scope, receive, send)
+
+
+async def call(
+    app: Any, path: str, headers: dict[str, str], body: bytes, query: bytes = b""
+) -> tuple[int, Any]:
+    """One POST through `app` as ASGI, the body in two chunks; the status and the decoded JSON answer."""
+    scope = {"type": "http", "method": "POST", "path": path, "query_string": query, "http_version": "1.1",
+             "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]}  # fmt: skip
+    chunks = [{"type": "http.request", "body": body[:5], "more_body": True},
+              {"type": "http.request", "body": body[5:], "more_body": False}]  # fmt: skip
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return chunks.pop(0) if chunks else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    return sent[0]["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+
+
+@pytest.fixture
+async def worker(api: Api) -> Worker:
+    w = await api.worker()
+    await w.heartbeat()  # a call through the route: the worker's credential and its token are cached now
+    return w
+
+
+def headers(w: Worker, **changes: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {w.token}", "X-Worker-Secret": w.secret,
+            "Content-Type": "application/json", **changes}  # fmt: skip
+
+
+def fast_path(
+    api: Api, answered: list[tuple[str, CompleteIn, WorkerCredential]]
+) -> tuple[WorkerFastPath, Rest]:
+    async def answer(worker_id: str, body: CompleteIn, me: WorkerCredential) -> FastJSON:
+        answered.append((worker_id, body, me))
+        if body.results[0].attempt == 9:
+            raise NotFound("no such attempt", field="results.0.attempt")
+        return FastJSON({"fast": True})
+
+    rest = Rest()
+    return WorkerFastPath(rest, api.service, answer), rest
+
+
+async def test_a_plain_report_is_answered_without_the_route(api: Api, worker: Worker) -> None:
+    answered: list[Any] = []
+    app, rest = fast_path(api, answered)
+    status, body = await call(
+        app, f"/v1/workers/{worker.id}/complete", headers(worker), json.dumps(REPORT).encode()
+    )
+    assert (status, body, rest.bodies) == (200, {"fast": True}, [])
+    [(worker_id, report, me)] = answered
+    assert worker_id == worker.id and me.worker_id == worker.id
+    assert report == CompleteIn.model_validate(REPORT)
+
+
+async def test_an_error_the_answer_raises_is_rendered_as_the_route_would(api: Api, worker: Worker) -> None:
+    app, _ = fast_path(api, [])
+    bad_attempt = {"results": [{**REPORT["results"][0], "attempt": 9}]}
+    status, body = await call(app, f"/v1/workers/{worker.id}/complete", headers(worker),
+                              json.dumps(bad_attempt).encode())  # fmt: skip
+    assert status == 404 and body["error"]["field"] == "results.0.attempt"
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "wrong secret",
+        "other worker",
+        "no token",
+        "unknown token",
+        "not JSON",
+        "bad body",
+        "extra field",
+        "NaN",
+        "query",
+        "text body",
+        "another route",
+    ],
+)
+async def test_anything_unsure_goes_to_the_route_with_its_body_intact(
+    api: Api, worker: Worker, case: str
+) -> None:
+    answered: list[Any] = []
+    app, rest = fast_path(api, answered)
+    path, hdrs, body, query = (
+        f"/v1/workers/{worker.id}/complete",
+        headers(worker),
+        json.dumps(REPORT).encode(),
+        b"",
+    )
+    if case == "wrong secret":
+        hdrs["X-Worker-Secret"] = "not-it"
+    elif case == "other worker":
+        path = "/v1/workers/w_0123456789abcdef01234567/complete"
+    elif case == "no token":
+        del hdrs["Authorization"]
+    elif case == "unknown token":
+        hdrs["Authorization"] = "Bearer tok_never_seen"
+    elif case == "not JSON":
+        body = b"{results: nope"
+    elif case == "bad body":
+        body = json.dumps({"results": [{"task_id": 5}]}).encode()
+    elif case == "extra field":
+        body = json.dumps({**REPORT, "sneaky": 1}).encode()
+    elif case == "NaN":
+        body = json.dumps(REPORT).replace('"run_s": 0.1', '"run_s": NaN').encode()
+    elif case == "query":
+        query = b"x=1"
+    elif case == "text body":
+        hdrs["Content-Type"] = "text/plain"
+    if case == "another route":
+        scope_path = path.replace("/complete", "/lease")  # passed on untouched
+        status, answer = await call(app, scope_path, hdrs, body)
+    else:
+        status, answer = await call(app, path, hdrs, body, query)
+    assert (status, answer, answered) == (200, {"route": True}, [])
+    assert rest.bodies == [body]
