@@ -2,8 +2,8 @@
 
 The CLI, the tests and the benchmarks all build Turnout through these functions, so there is one way to
 start it. The controller's parts (the API app and FastAPI, the controller, the store) are imported by the
-functions that build them: a worker process, which imports this module too, loads none of the API (0.4 s less
-of every worker's start).
+functions that build them: a worker process, which imports this module too, loads none of them (with
+`blobs.py` apart from the store, the worker's imports take 0.2 s instead of 0.9 s).
 """
 
 from __future__ import annotations

@@ -50,15 +50,16 @@ def test_the_layers_are_what_the_modules_use() -> None:
     assert {"client", "executors", "pools", "handover"} <= worker_imports("agent")
 
 
-def test_a_worker_process_loads_none_of_the_api() -> None:
-    # What `turnout worker` imports (cli.worker): the runtime and the worker's parts, never FastAPI or the
-    # controller; they cost every worker 0.4 s of its start
+def test_a_worker_process_loads_none_of_the_api_nor_the_database() -> None:
+    # What `turnout worker` imports (cli.worker): the runtime and the worker's parts, never FastAPI, the
+    # controller or the store (SQLAlchemy); they cost every worker 0.7 s of its start
     import subprocess
     import sys
 
     code = ("import sys, turnout.cli, turnout.runtime, turnout.worker.agent, turnout.gpu.provider, "
             "turnout.worker.executors, turnout.worker.presets, turnout.worker.sandboxed; "
-            "print(sorted(m for m in ('fastapi', 'starlette', 'uvicorn', 'turnout.api', 'turnout.controller') "
+            "print(sorted(m for m in ('fastapi', 'starlette', 'uvicorn', 'sqlalchemy', 'turnout.api', "
+            "'turnout.controller', 'turnout.store') "
             "if m in sys.modules))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -41,10 +41,11 @@ from turnout.api.schemas import Strict, iso
 from turnout.api.service import STORAGE_RETRY_AFTER_S, Service
 from turnout.api.strictjson import StrictJsonRoute
 from turnout.auth import WorkerCredential
+from turnout.blobs import CHUNK_BYTES, FILE_ID, Blobs, BlobWriter, new_file_id
 from turnout.errors import Conflict, InvalidInput, NotFound, StorageUnavailable
 from turnout.files import SHA256_HEADER, refs_in
 from turnout.models import ACTIVE_STATES, Task
-from turnout.store.files import CHUNK_BYTES, FILE_ID, Blobs, BlobWriter, FileRecord, new_file_id
+from turnout.store.files import FileRecord
 
 log = logging.getLogger("turnout.api")
 R = TypeVar("R")
@@ -353,7 +354,7 @@ async def _receive_multipart(
 
 
 def _hash_file(blobs: Blobs, file_id: str) -> tuple[int, str]:
-    from turnout.store.files import hash_file
+    from turnout.blobs import hash_file
 
     return hash_file(blobs.path(file_id))
 

@@ -34,9 +34,9 @@ from typing import Any
 
 import httpx
 
+from turnout.blobs import FILE_ID, Blobs, fsync_dir, new_file_id
 from turnout.errors import Conflict, NotFound, PayloadTooLarge, TurnoutError
 from turnout.files import FileCorrupt, download, file_ref, refs_in, upload, walk_files
-from turnout.store.files import FILE_ID, Blobs, fsync_dir, new_file_id
 
 log = logging.getLogger("turnout.worker")
 TRANSFER_PATIENCE_S = 300.0  # how long a transfer keeps retrying while the controller cannot be reached
