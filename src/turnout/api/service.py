@@ -253,57 +253,36 @@ class Service:
                 job.loop.call_soon_threadsafe(job.settle)
 
     def _run_group(self, batch: list[_Job[Any]]) -> bool:
-        """Run the calls in one transaction, each in a savepoint; False if the transaction was lost."""
+        """Run the calls in one transaction, each in a savepoint; False if the transaction was lost.
+
+        A lone call runs in the transaction itself: its failure rolls back all the transaction holds, which
+        is its own writes, and it saves the SAVEPOINT/RELEASE pair (most of a lone call's overhead)."""
         store = self.controller.store
-        if len(batch) == 1:
-            return self._run_one(batch[0])
+        alone = len(batch) == 1
         try:
             with store.group() as conn:
                 for job in batch:
                     try:
-                        with conn.begin_nested():  # a failing call undoes only its own writes
-                            job.result = job.fn()
+                        with contextlib.nullcontext() if alone else conn.begin_nested():
+                            job.result = job.fn()  # a failing call undoes only its own writes
                     except BaseException as exc:
                         job.error = exc
                         if is_storage_failure(exc) or not store.intact(conn):
                             raise _GroupLost from exc
+                        if alone:
+                            raise _CallFailed from None  # out of the transaction: its writes are rolled back
                     # checked after every call, not only failed ones: a call that swallowed a database
                     # error leaves SQLite outside the transaction, where the next call must not run
                     if not store.intact(conn):
                         raise _GroupLost
+        except _CallFailed:
+            return True  # the call's own error stands; nothing of it was kept
         except _GroupLost as lost:
             log.warning("a group of %d calls was lost to a database failure (%s); running each alone",
                         len(batch), lost.__cause__ or "transaction ended early")  # fmt: skip
             return False
-        except Exception as exc:  # the commit itself failed: nobody's change is durable
+        except Exception as exc:  # the commit (or the rollback) failed: nobody's change is durable
             log.warning("commit of %d calls failed (%s); running each alone", len(batch), exc)
-            return False
-        return True
-
-    def _run_one(self, job: _Job[Any]) -> bool:
-        """A group of one call, in the transaction itself: no savepoint to open and release (two statements,
-        most of a lone call's overhead), since its own failure rolls back all the transaction holds, which is
-        its writes. False if the transaction was lost."""
-        store = self.controller.store
-        try:
-            with store.group() as conn:
-                try:
-                    job.result = job.fn()
-                except BaseException as exc:
-                    job.error = exc
-                    if is_storage_failure(exc) or not store.intact(conn):
-                        raise _GroupLost from exc
-                    raise _CallFailed from None  # out of the transaction: its writes are rolled back
-                if not store.intact(conn):
-                    raise _GroupLost
-        except _CallFailed:
-            return True  # the call's own error stands; nothing of it was kept
-        except _GroupLost as lost:
-            log.warning("a call was lost to a database failure (%s); running it again",
-                        lost.__cause__ or "transaction ended early")  # fmt: skip
-            return False
-        except Exception as exc:  # the commit (or the rollback) failed: nothing of the call is durable
-            log.warning("commit of one call failed (%s); running it again", exc)
             return False
         return True
 
