@@ -3,7 +3,7 @@ on the same file, to and from the same controller.
 
 A controller on a fresh SQLite file in a temporary directory; a file of random bytes (200 MiB; 50 MiB with
 --quick). Each direction is timed five times per client, the two clients one after the other and which goes
-first alternating, best taken (the least disturbed by the rest of the machine): upload (`POST /v1/files`, raw bytes; curl `-T FILE -X POST`) and download (`GET
+first alternating, the disk synced before each (so one step's writeback never lands in the next), best taken (the least disturbed by the rest of the machine): upload (`POST /v1/files`, raw bytes; curl `-T FILE -X POST`) and download (`GET
 /v1/files/{id}` to a file; curl `-o FILE`). Both sides write to and read from the same disk, so the figures
 include its speed; the ratio turnout/curl is what the SDK costs over a plain HTTP client.
 
@@ -89,6 +89,7 @@ def run(quick: bool = False) -> dict[str, Any]:
                 pairs = ((turnout_up, curl_up), (turnout_down, curl_down))
                 for pair in pairs:
                     for step in pair if i % 2 == 0 else reversed(pair):
+                        os.sync()  # the step before's dirty pages reach the disk first, not during this one
                         t0 = time.perf_counter()
                         step(i)
                         times[step.__name__].append(time.perf_counter() - t0)
