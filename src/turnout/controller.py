@@ -86,6 +86,8 @@ class LeaseResult:
     # the worker's active tasks its list lacks (leased by its other request, or chained, after the list was
     # written): it may hold them unlisted, so a long poll watches them, and says so if they stop (`watching`)
     fresh: tuple[str, ...] = ()
+    # listed tasks that ended here with their results in: a long poll lists them no more (nor looks them up)
+    finished: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -417,9 +419,9 @@ class Controller:
                        and listed_at - (t.leased_at or now) > grace_s]  # fmt: skip
         for task_id in self._requeue_undelivered(undelivered, now):
             del mine[task_id]
-        cancel = self._to_stop(
-            worker_id, [tid for tid in dict.fromkeys([*running, *watching]) if tid not in mine]
-        )
+        stale = [tid for tid in dict.fromkeys([*running, *watching]) if tid not in mine]
+        cancel = self._to_stop(worker_id, stale)
+        finished = tuple(tid for tid in stale if tid not in set(cancel))
         fresh = tuple(tid for tid in mine if tid not in held)  # a chained one's lease dates from its start
         # a task shows `running` once it has run a moment: a short one goes leased -> succeeded with no extra
         # write (and fsync) on its path; its started_at comes with its result
@@ -433,11 +435,12 @@ class Controller:
                 ]
             )
         if worker.state is not WorkerState.HEALTHY or max_tasks <= 0:
-            return LeaseResult([], cancel, fresh=fresh)
+            return LeaseResult([], cancel, fresh=fresh, finished=finished)
         room = placement.room_of(worker, list(mine.values()))
         smallest = placement.smallest_cpu(worker)
         if room.cpu + 1e-9 < smallest:
-            return LeaseResult([], cancel, full=True, backlog=True, fresh=fresh)  # nothing it offers fits now
+            # nothing it offers fits now
+            return LeaseResult([], cancel, full=True, backlog=True, fresh=fresh, finished=finished)
         healthy = [w for w in fleet.values() if w.state is WorkerState.HEALTHY]
         facts = placement.Facts(healthy, _LeaseReads(self, healthy), self.settings.tenant_limits)
         book = BatchBook()  # batched variants: tasks that ride on their leader's grant (batching.py)
@@ -446,9 +449,8 @@ class Controller:
         window = min(self.settings.lease_window, max(16, 4 * slots))
         shares = self._reservations(worker, mine.values(), tenant, now)  # tenancy.Reservations
         if shares is not None and not shares.anyone_may_take(smallest, room.cpu):
-            return LeaseResult(
-                [], cancel, fresh=fresh
-            )  # what is free here is kept for tenants with none queued
+            # what is free here is kept for tenants with none queued
+            return LeaseResult([], cancel, fresh=fresh, finished=finished)
         placed: list[tuple[Task, placement.Placement]] = []
         seen = 0
         for task in self._queue({v.capability for v in worker.variants}, window, tenant):
@@ -488,7 +490,8 @@ class Controller:
                 self.gpu_allocations.take(lease.task.tenant)
             self._audit_allocations(worker_id, allocated, now)
         full = bool(leases) and room.cpu + 1e-9 < smallest  # what it was given filled it
-        return LeaseResult(leases, cancel, full=full, retry_in_s=retry_in_s, backlog=backlog, fresh=fresh)
+        return LeaseResult(leases, cancel, full=full, retry_in_s=retry_in_s, backlog=backlog, fresh=fresh,
+                           finished=finished)  # fmt: skip
 
     def _reservations(
         self, worker: Worker, mine: Iterable[Task], tenant: str, now: float

@@ -116,12 +116,12 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> WorkerRoutes:
                 service.changes.current(),
                 mine.current(),
             )
-            result = await service.call(ctrl.offer, worker_id, max_tasks=body.max_tasks, running=running,
-                                        tenant=me.tenant, listed_at=listed_at, watching=watching)  # fmt: skip
-            running = [tid for tid in running if tid not in set(result.cancel)]
-            watching = [
-                tid for tid in dict.fromkeys([*watching, *result.fresh]) if tid not in set(result.cancel)
-            ]
+            with service.leasing(worker_id):
+                result = await service.call(ctrl.offer, worker_id, max_tasks=body.max_tasks, running=running,
+                                            tenant=me.tenant, listed_at=listed_at, watching=watching)  # fmt: skip
+            gone = {*result.cancel, *result.finished}
+            running = [tid for tid in running if tid not in gone]
+            watching = [tid for tid in dict.fromkeys([*watching, *result.fresh]) if tid not in gone]
             left = deadline - time.monotonic()
             if result.leases or result.cancel or left <= 0 or service.closing.is_set():
                 leased(result)
@@ -130,7 +130,7 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> WorkerRoutes:
             # task: under a flood of submissions that would re-run its lease for nothing, hundreds of times a second
             wake = [stops, capacity] if result.full else [queue, capacity]
             # a batch still filling is leased once full or its wait is over: ask again by then (retry_in_s)
-            with service.parked(worker_id, full=result.full):
+            with service.parked(worker_id, result):
                 await Signal.wait_any([*wake, service.closing],
                                       min(left, service.recheck_s, result.retry_in_s or service.recheck_s))  # fmt: skip
 

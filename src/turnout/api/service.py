@@ -118,6 +118,22 @@ def storage_unavailable(exc: BaseException) -> StorageUnavailable:
     return StorageUnavailable(STORAGE_MESSAGE, retry_after_s=STORAGE_RETRY_AFTER_S)
 
 
+@contextlib.contextmanager
+def _counted(counts: dict[str, int], key: str, when: bool) -> Iterator[None]:
+    """`counts[key]` one higher while the block runs (if `when`); the key is gone once it is back to none."""
+    if when:
+        counts[key] = counts.get(key, 0) + 1
+    try:
+        yield
+    finally:
+        if when:
+            left = counts.get(key, 1) - 1
+            if left > 0:
+                counts[key] = left
+            else:
+                counts.pop(key, None)
+
+
 class Signal:
     """A broadcast wake-up: take `current()` before checking, then `wait()` on it; no wake-up is lost.
 
@@ -196,6 +212,9 @@ class Service:
             str, Signal
         ] = {}  # capacity freed on one worker: wakes only its lease poll
         self._full_polls: dict[str, int] = {}  # worker id -> its lease polls parked here as full
+        # worker id -> its lease polls that freed room could answer: parked full or with work left queued that
+        # did not fit, or still deciding (a lease under way sees the room as it was before a result commits)
+        self._room_polls: dict[str, int] = {}
         self._reaper: asyncio.Task[None] | None = None
         # worker id -> when its last heartbeat arrived (controller clock), stamped on the event loop: the
         # reaper judges on this, so a heartbeat waiting behind a slow write still counts when it arrived
@@ -347,25 +366,34 @@ class Service:
         return signal
 
     @contextlib.contextmanager
-    def parked(self, worker_id: str, *, full: bool) -> Iterator[None]:
-        """A lease poll of this worker waits here; `full`: it waits for freed capacity, not for new tasks."""
-        if full:
-            self._full_polls[worker_id] = self._full_polls.get(worker_id, 0) + 1
-        try:
+    def leasing(self, worker_id: str) -> Iterator[None]:
+        """A lease poll of this worker is deciding (its lease is under way): freed room may change its answer."""
+        with _counted(self._room_polls, worker_id, True):
             yield
-        finally:
-            if full:
-                left = self._full_polls.get(worker_id, 1) - 1
-                if left > 0:
-                    self._full_polls[worker_id] = left
-                else:
-                    self._full_polls.pop(worker_id, None)
+
+    @contextlib.contextmanager
+    def parked(self, worker_id: str, result: LeaseResult) -> Iterator[None]:
+        """A lease poll of this worker waits here with what its last look found: `full`, it waits for freed
+        capacity, not for new tasks; `backlog`, queued work that did not fit could fit once room is freed."""
+        with (
+            _counted(self._full_polls, worker_id, result.full),
+            _counted(self._room_polls, worker_id, result.full or result.backlog),
+        ):
+            yield
 
     def capacity_freed(self, worker_id: str, offered: LeaseResult | None) -> None:
-        """Results freed room on a worker: wake its own lease poll to fill it. Not when the same exchange
-        already leased for that room (`offered`), unless it left room and the poll waits only for capacity
-        (it must go back to waiting for new tasks). Another replica may hold the poll: tell it, to be safe."""
-        if offered is None or (not offered.full and (self.bus is not None or worker_id in self._full_polls)):
+        """Results freed room on a worker: wake its own lease poll to fill it, where freed room could change its
+        answer. Not when the same exchange already leased for that room (`offered`), unless it left room and the
+        poll waits only for capacity (it must go back to waiting for new tasks); not for a poll parked with
+        room to spare and nothing queued that did not fit (the worker asked for no work: it saw room too), which
+        new tasks wake. Another replica may hold the poll: tell it, to be safe."""
+        if self.bus is not None:
+            wake = offered is None or not offered.full
+        elif offered is None:
+            wake = worker_id in self._room_polls
+        else:
+            wake = not offered.full and worker_id in self._full_polls
+        if wake:
             self.worker_signal(worker_id).notify()
 
     def _publisher(self, name: str) -> Callable[[], None] | None:
