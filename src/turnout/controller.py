@@ -88,6 +88,8 @@ class LeaseResult:
     fresh: tuple[str, ...] = ()
     # listed tasks that ended here with their results in: a long poll lists them no more (nor looks them up)
     finished: tuple[str, ...] = ()
+    offers: frozenset[str] | None = None  # the capabilities the worker offers (None: not looked at)
+    looked: bool = False  # it read the queue for all it could take (not cut short: unhealthy, full, reserved)
 
 
 @dataclass(frozen=True)
@@ -422,6 +424,7 @@ class Controller:
         stale = [tid for tid in dict.fromkeys([*running, *watching]) if tid not in mine]
         cancel = self._to_stop(worker_id, stale)
         finished = tuple(tid for tid in stale if tid not in set(cancel))
+        offers = frozenset(v.capability for v in worker.variants)
         fresh = tuple(tid for tid in mine if tid not in held)  # a chained one's lease dates from its start
         # a task shows `running` once it has run a moment: a short one goes leased -> succeeded with no extra
         # write (and fsync) on its path; its started_at comes with its result
@@ -435,12 +438,14 @@ class Controller:
                 ]
             )
         if worker.state is not WorkerState.HEALTHY or max_tasks <= 0:
-            return LeaseResult([], cancel, fresh=fresh, finished=finished)
+            return LeaseResult([], cancel, fresh=fresh, finished=finished, offers=offers)
         room = placement.room_of(worker, list(mine.values()))
         smallest = placement.smallest_cpu(worker)
         if room.cpu + 1e-9 < smallest:
             # nothing it offers fits now
-            return LeaseResult([], cancel, full=True, backlog=True, fresh=fresh, finished=finished)
+            return LeaseResult(
+                [], cancel, full=True, backlog=True, fresh=fresh, finished=finished, offers=offers
+            )
         healthy = [w for w in fleet.values() if w.state is WorkerState.HEALTHY]
         facts = placement.Facts(healthy, _LeaseReads(self, healthy), self.settings.tenant_limits)
         book = BatchBook()  # batched variants: tasks that ride on their leader's grant (batching.py)
@@ -450,7 +455,7 @@ class Controller:
         shares = self._reservations(worker, mine.values(), tenant, now)  # tenancy.Reservations
         if shares is not None and not shares.anyone_may_take(smallest, room.cpu):
             # what is free here is kept for tenants with none queued
-            return LeaseResult([], cancel, fresh=fresh, finished=finished)
+            return LeaseResult([], cancel, fresh=fresh, finished=finished, offers=offers)
         placed: list[tuple[Task, placement.Placement]] = []
         seen = 0
         for task in self._queue({v.capability for v in worker.variants}, window, tenant):
@@ -491,7 +496,7 @@ class Controller:
             self._audit_allocations(worker_id, allocated, now)
         full = bool(leases) and room.cpu + 1e-9 < smallest  # what it was given filled it
         return LeaseResult(leases, cancel, full=full, retry_in_s=retry_in_s, backlog=backlog, fresh=fresh,
-                           finished=finished)  # fmt: skip
+                           finished=finished, offers=offers, looked=True)  # fmt: skip
 
     def _reservations(
         self, worker: Worker, mine: Iterable[Task], tenant: str, now: float

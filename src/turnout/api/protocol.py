@@ -110,29 +110,34 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> WorkerRoutes:
         running = list(body.running)
         watching: list[str] = []  # leased to it since `running` was written: it may hold them unlisted
         mine = service.worker_signal(worker_id)
-        while True:
-            queue, stops, capacity = (
-                service.queue_changed.current(),
-                service.changes.current(),
-                mine.current(),
-            )
-            with service.leasing(worker_id):
-                result = await service.call(ctrl.offer, worker_id, max_tasks=body.max_tasks, running=running,
-                                            tenant=me.tenant, listed_at=listed_at, watching=watching)  # fmt: skip
-            gone = {*result.cancel, *result.finished}
-            running = [tid for tid in running if tid not in gone]
-            watching = [tid for tid in dict.fromkeys([*watching, *result.fresh]) if tid not in gone]
-            left = deadline - time.monotonic()
-            if result.leases or result.cancel or left <= 0 or service.closing.is_set():
-                leased(result)
-                return FastJSON(leases_out(result))
-            # a full worker waits for its own capacity (or a cancel, a timeout, a fleet change), not for every new
-            # task: under a flood of submissions that would re-run its lease for nothing, hundreds of times a second
-            wake = [stops, capacity] if result.full else [queue, capacity]
-            # a batch still filling is leased once full or its wait is over: ask again by then (retry_in_s)
-            with service.parked(worker_id, result):
-                await Signal.wait_any([*wake, service.closing],
-                                      min(left, service.recheck_s, result.retry_in_s or service.recheck_s))  # fmt: skip
+        with service.queue_poll(worker_id, me.tenant) as poll:
+            while True:
+                queue, stops, capacity = (
+                    service.queue_changed.current(),
+                    service.changes.current(),
+                    mine.current(),
+                )
+                woken_for = poll.look()  # new tasks it was woken for (`Service.tasks_queued`)
+                with service.leasing(worker_id):
+                    result = await service.call(ctrl.offer, worker_id, max_tasks=body.max_tasks, running=running,
+                                                tenant=me.tenant, listed_at=listed_at, watching=watching)  # fmt: skip
+                if unseen := poll.looked(result, woken_for):
+                    service.pass_on(unseen, poll)
+                gone = {*result.cancel, *result.finished}
+                running = [tid for tid in running if tid not in gone]
+                watching = [tid for tid in dict.fromkeys([*watching, *result.fresh]) if tid not in gone]
+                left = deadline - time.monotonic()
+                if result.leases or result.cancel or left <= 0 or service.closing.is_set():
+                    leased(result)
+                    return FastJSON(leases_out(result))
+                # a full worker waits for its own capacity (or a cancel, a timeout, a fleet change), not for every
+                # new task: under a flood of submissions that would re-run its lease for nothing, hundreds of times
+                # a second; one with room, for a new task it could take, or any other change to the queue
+                wake = [stops, capacity] if result.full else [poll.event, queue, capacity]
+                # a batch still filling is leased once full or its wait is over: ask again by then (retry_in_s)
+                with service.parked(worker_id, result):
+                    await Signal.wait_any([*wake, service.closing],
+                                          min(left, service.recheck_s, result.retry_in_s or service.recheck_s))  # fmt: skip
 
     @api.post("/v1/workers/{worker_id}/complete", response_class=FastJSON)
     async def complete(worker_id: str, body: CompleteIn, me: WorkerCredential = this_worker()) -> FastJSON:

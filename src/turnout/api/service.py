@@ -31,16 +31,17 @@ import contextlib
 import functools
 import logging
 import threading
-from collections.abc import Callable, Coroutine, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from turnout.access import ALL_TENANTS
 from turnout.auth import TokenBook, WorkerKeys
 from turnout.controller import Controller, LeaseResult
 from turnout.errors import NotFound, StorageUnavailable
 from turnout.lanes import WORKER_LANE, Lanes
-from turnout.models import GpuMode, TaskSpec, Worker, WorkerState
+from turnout.models import GpuMode, Task, TaskSpec, Worker, WorkerState
 from turnout.store.notify import ALL, ANY_WORKER, ReplicaBus
 from turnout.store.replicas import claim_sweep, refresh_statistics
 from turnout.store.sql import is_storage_failure
@@ -172,6 +173,39 @@ class Signal:
                 w.cancel()
 
 
+@dataclass(eq=False)
+class QueuePoll:
+    """A worker's lease poll, from its request to its answer, as the wake-ups for new tasks see it."""
+
+    worker_id: str
+    tenant: str  # whom the worker serves (ALL_TENANTS: every tenant)
+    event: asyncio.Event = field(default_factory=asyncio.Event)  # set: look at the queue again
+    offers: frozenset[str] | None = None  # its capabilities; None until its first look: anything may fit
+    full: bool = False  # parked for freed room only: a new task is nothing to it
+    woken_for: list[tuple[str, str]] = field(default_factory=list)  # (capability, tenant) of the new tasks
+
+    def may_take(self, capability: str, tenant: str) -> bool:
+        return (
+            not self.full
+            and (self.offers is None or capability in self.offers)
+            and self.tenant in (ALL_TENANTS, tenant)
+        )
+
+    def look(self) -> list[tuple[str, str]]:
+        """Before a look at the queue: what it was woken for since the last, and a fresh event for after."""
+        woken_for, self.woken_for, self.event = self.woken_for, [], asyncio.Event()
+        return woken_for
+
+    def looked(self, result: LeaseResult, woken_for: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """After a look: what to wake another poll for. Nothing where it looked at all it could take and left
+        nothing queued (it took the new tasks, or they were gone already); else what it was woken for."""
+        self.offers = result.offers if result.offers is not None else self.offers
+        self.full = result.full
+        if result.looked and not result.backlog:
+            return [(cap, tenant) for cap, tenant in woken_for if not self.may_take(cap, tenant)]
+        return woken_for
+
+
 class Service:
     def __init__(
         self,
@@ -212,6 +246,7 @@ class Service:
             str, Signal
         ] = {}  # capacity freed on one worker: wakes only its lease poll
         self._full_polls: dict[str, int] = {}  # worker id -> its lease polls parked here as full
+        self._polls: dict[QueuePoll, None] = {}  # lease polls under way here, oldest first (`tasks_queued`)
         # worker id -> its lease polls that freed room could answer: parked full or with work left queued that
         # did not fit, or still deciding (a lease under way sees the room as it was before a result commits)
         self._room_polls: dict[str, int] = {}
@@ -380,6 +415,42 @@ class Service:
             _counted(self._room_polls, worker_id, result.full or result.backlog),
         ):
             yield
+
+    @contextlib.contextmanager
+    def queue_poll(self, worker_id: str, tenant: str) -> Iterator[QueuePoll]:
+        """A lease poll of this worker, for as long as its request lasts, for `tasks_queued` to wake."""
+        poll = QueuePoll(worker_id, tenant)
+        self._polls[poll] = None
+        try:
+            yield poll
+        finally:
+            del self._polls[poll]
+            if poll.woken_for:  # woken while it was answering (or giving up): it will not look, the next may
+                self._wake(poll.woken_for, poll)
+
+    def tasks_queued(self, tasks: Sequence[Task]) -> None:
+        """Submissions queued these tasks: wake, for each, the longest-waiting lease poll that could take it,
+        not all of them. With every poll woken by every task, all but one looked at the queue for nothing: one
+        lease in three of a lone task's. A woken poll that leaves work queued, or could not look, wakes the next
+        (`pass_on`). Other replicas' polls all wake, as for any change to the queue."""
+        publish = self._publisher("queue")
+        if publish is not None:
+            publish()
+        self._wake([(t.spec.capability, t.tenant) for t in tasks], None)
+
+    def pass_on(self, woken_for: list[tuple[str, str]], poll: QueuePoll) -> None:
+        """A poll woken for these new tasks did not take them all: the next poll that could take them looks."""
+        self._wake(woken_for, poll)
+
+    def _wake(self, woken_for: list[tuple[str, str]], skip: QueuePoll | None) -> None:
+        woken: list[QueuePoll] = []
+        for cap, tenant in woken_for:
+            fits = [p for p in self._polls if p is not skip and p.may_take(cap, tenant)]
+            poll = next((p for p in fits if p not in woken), fits[0] if fits else None)
+            if poll is not None:  # a new one while any is left, else one already woken looks for it too
+                poll.woken_for.append((cap, tenant))
+                poll.event.set()
+                woken.append(poll)
 
     def capacity_freed(self, worker_id: str, offered: LeaseResult | None) -> None:
         """Results freed room on a worker: wake its own lease poll to fill it, where freed room could change its

@@ -48,7 +48,7 @@ def router(service: Service, guards: Guards) -> APIRouter:
         service.admit(p.home_tenant, specs)  # a 429 before the database: a flood costs the others nothing
         tasks = await service.call(ctrl.submit, p.home_tenant, specs,
                                    waits_for_capacity=[body.waits_for_capacity])  # fmt: skip
-        service.queue_changed.notify()
+        service.tasks_queued(tasks)
         return FastJSON(task_out(tasks[0]), status_code=201)
 
     @api.post("/v1/tasks/batch", status_code=201, response_class=FastJSON)
@@ -58,7 +58,7 @@ def router(service: Service, guards: Guards) -> APIRouter:
         tasks = await service.call(ctrl.submit, p.home_tenant, specs,
                                    prefixes=[f"tasks.{i}." for i in range(len(body.tasks))],
                                    waits_for_capacity=[t.waits_for_capacity for t in body.tasks])  # fmt: skip
-        service.queue_changed.notify()
+        service.tasks_queued(tasks)
         return FastJSON({"tasks": [task_out(t) for t in tasks]}, status_code=201)
 
     @api.get("/v1/tasks")

@@ -1,0 +1,153 @@
+"""A new task wakes one parked lease poll that could take it, not every poll: each woken poll costs a lease (a
+look at the queue on the database thread), and with all of them woken, all but one looked for nothing. A poll
+that could not take the task passes the wake-up on, so no task waits for a poll's periodic look (here 30 s)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from tests.inprocess.conftest import CPU_SHOUT, Api, Worker
+from turnout.access import ALL_TENANTS
+
+pytestmark = pytest.mark.anyio
+
+CPU_OTHER = {"capability": "other", "device": "cpu", "resources": {"cpu": 1}}
+
+
+def count_looks(api: Api, monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """How many times each worker's leases looked at the queue."""
+    looks: Counter[str] = Counter()
+    offer = api.ctrl.offer
+
+    def counted(worker_id: str, **ask: Any) -> Any:
+        looks[worker_id] += 1
+        return offer(worker_id, **ask)
+
+    monkeypatch.setattr(api.ctrl, "offer", counted)
+    return looks
+
+
+async def park(worker: Worker, looks: Counter[str], running: list[str] | None = None) -> asyncio.Future[Any]:
+    """A long poll of `worker` (wait 20 s), returned once it has looked once and parked."""
+    before = looks[worker.id]
+    body = {"max_tasks": 8, "wait_s": 20, "running": running or []}
+    poll = asyncio.ensure_future(worker.post("lease", body))
+    while looks[worker.id] == before:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)  # its answer (nothing) came back and it parked
+    assert not poll.done()
+    return poll
+
+
+async def leased_ids(poll: asyncio.Future[Any]) -> list[str]:
+    resp = await asyncio.wait_for(poll, 5)
+    assert resp.status_code == 200, resp.text
+    return [t["id"] for t in resp.json()["tasks"]]
+
+
+async def test_a_new_task_wakes_one_parked_poll_not_all(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    api.service.recheck_s = 30.0  # no periodic look: only a wake-up ends a poll early
+    looks = count_looks(api, monkeypatch)
+    first, second = await api.worker(), await api.worker()
+    # Given two idle workers' polls parked, each able to take the task
+    poll_1, poll_2 = await park(first, looks), await park(second, looks)
+    # When one task is submitted
+    task = await api.submit(gpu="never")
+    # Then the poll parked longest takes it, and the other poll did not look again
+    assert await leased_ids(poll_1) == [task["id"]]
+    await asyncio.sleep(0.2)
+    assert looks[second.id] == 1 and not poll_2.done()
+    # And the next task wakes it
+    other = await api.submit(gpu="never")
+    assert await leased_ids(poll_2) == [other["id"]]
+
+
+async def test_a_poll_that_cannot_take_the_task_is_not_woken(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    api.service.recheck_s = 30.0
+    looks = count_looks(api, monkeypatch)
+    # Given the longest-parked poll is a worker's that offers another capability, or serves another tenant
+    elsewhere = await api.worker(CPU_OTHER)
+    token = await api.token("worker", "acme")
+    body = {"name": "a", "host": "h", "variants": [CPU_SHOUT], "cpu": 4, "memory": 2**33, "gpus": [],
+            "heartbeat_s": 1.0}  # fmt: skip
+    resp = await api.as_(token, "POST", "/v1/workers/register", json=body)
+    acme = Worker(api, resp.json()["id"], token, resp.json()["secret"])
+    shared = await api.worker()
+    polls = [await park(w, looks) for w in (elsewhere, acme, shared)]
+    # When a task of tenant default is submitted
+    task = await api.submit(gpu="never")
+    # Then the shared worker's poll takes it, and neither other poll looked again
+    assert await leased_ids(polls[2]) == [task["id"]]
+    await asyncio.sleep(0.2)
+    assert (looks[elsewhere.id], looks[acme.id]) == (1, 1)
+    assert not polls[0].done() and not polls[1].done()
+
+
+async def test_a_poll_with_no_room_for_the_task_passes_the_wake_up_on(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    api.service.recheck_s = 30.0
+    looks = count_looks(api, monkeypatch)
+    busy, idle = await api.worker(), await api.worker()
+    # Given the longest-parked poll is a worker's with 2 of its 4 CPUs taken
+    held = [await api.submit(gpu="never", resources={"cpu": 1}) for _ in range(2)]
+    assert len((await busy.lease(max_tasks=2))["tasks"]) == 2
+    poll_busy = await park(busy, looks, running=[t["id"] for t in held])
+    poll_idle = await park(idle, looks)
+    looked = looks[busy.id]
+    # When a task asking 3 CPUs is submitted
+    started = time.monotonic()
+    task = await api.submit(gpu="never", resources={"cpu": 3})
+    # Then the busy worker's poll looks, cannot fit it, and wakes the idle worker's, which takes it at once
+    assert await leased_ids(poll_idle) == [task["id"]]
+    assert time.monotonic() - started < 5 and looks[busy.id] == looked + 1 and not poll_busy.done()
+
+
+async def test_a_wake_up_a_poll_did_not_look_at_goes_to_the_next(api: Api) -> None:
+    service = api.service
+    # Given two polls under way, the first woken for a new task
+    first_poll, second_poll = service.queue_poll("w_1", ALL_TENANTS), service.queue_poll("w_2", ALL_TENANTS)
+    first, second = first_poll.__enter__(), second_poll.__enter__()
+    try:
+        first.look(), second.look()
+        service.pass_on([("shout", "default")], second)
+        assert first.event.is_set() and not second.event.is_set()
+        # When the first ends (it answered its worker with other tasks) before it looked again
+        first_poll.__exit__(None, None, None)
+        # Then the second is woken for what the first was
+        assert second.event.is_set() and second.look() == [("shout", "default")]
+    finally:
+        second_poll.__exit__(None, None, None)
+
+
+async def test_a_result_wakes_its_workers_poll_only_where_freed_room_could_change_its_answer(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    api.service.recheck_s = 30.0
+    looks = count_looks(api, monkeypatch)
+    worker = await api.worker()
+    held = [await api.submit(gpu="never", resources={"cpu": 1}) for _ in range(3)]
+    leases = {t["id"]: t for t in (await worker.lease(max_tasks=3))["tasks"]}
+    # Given its poll parked with room to spare and nothing queued
+    poll = await park(worker, looks, running=list(leases))
+    looked = looks[worker.id]
+    # When a result comes in (asking for no work)
+    assert (await worker.complete(leases[held[0]["id"]], {"n": 1}))["accepted"] == [held[0]["id"]]
+    await asyncio.sleep(0.2)
+    # Then the poll did not look again: the room it had already let it take any new task
+    assert looks[worker.id] == looked and not poll.done()
+    # Given a task it has no room for (3 CPUs, 2 free), which its poll looked at and left queued
+    big = await api.submit(gpu="never", resources={"cpu": 3})
+    await asyncio.sleep(0.2)
+    assert looks[worker.id] == looked + 1 and not poll.done()
+    # When a result frees a CPU
+    assert (await worker.complete(leases[held[1]["id"]], {"n": 2}))["accepted"] == [held[1]["id"]]
+    # Then the poll looks again and takes it
+    assert await leased_ids(poll) == [big["id"]]
