@@ -409,10 +409,11 @@ class Service:
     @contextlib.contextmanager
     def parked(self, worker_id: str, result: LeaseResult) -> Iterator[None]:
         """A lease poll of this worker waits here with what its last look found: `full`, it waits for freed
-        capacity, not for new tasks; `backlog`, queued work that did not fit could fit once room is freed."""
+        capacity, not for new tasks; `backlog` (or a look cut short: its room kept for other tenants), queued
+        work it did not take could be taken once room is freed."""
         with (
             _counted(self._full_polls, worker_id, result.full),
-            _counted(self._room_polls, worker_id, result.full or result.backlog),
+            _counted(self._room_polls, worker_id, result.full or result.backlog or not result.looked),
         ):
             yield
 
