@@ -201,3 +201,43 @@ async def test_a_result_wakes_a_poll_whose_free_room_was_kept_for_another_tenant
             await worker.complete(hog_leases[0], {"n": 1})
             # Then the poll looks again at once, and the hog may take the CPU that freed
             assert len(await leased_ids(poll)) == 1
+
+
+async def test_a_poll_after_an_answer_that_left_nothing_queued_parks_without_looking(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    api.service.recheck_s = 30.0
+    looks = count_looks(api, monkeypatch)
+    worker = await api.worker()
+    first = await api.submit(gpu="never")
+    # Given a poll answered with the only task queued: the answer says `since`
+    answer = (await worker.post("lease", {"max_tasks": 8, "wait_s": 0})).json()
+    assert [t["id"] for t in answer["tasks"]] == [first["id"]] and answer["since"]
+    looked = looks[worker.id]
+    # When the worker polls again with it, and nothing has changed
+    body = {"max_tasks": 8, "wait_s": 20, "running": [first["id"]], "since": answer["since"]}
+    poll = asyncio.ensure_future(worker.post("lease", body))
+    await asyncio.sleep(0.2)
+    # Then the poll parked without looking at the queue
+    assert looks[worker.id] == looked and not poll.done()
+    # And a new task still reaches it at once
+    second = await api.submit(gpu="never")
+    assert await leased_ids(poll) == [second["id"]]
+
+
+async def test_a_poll_whose_since_is_out_of_date_looks(api: Api) -> None:
+    worker = await api.worker()
+    await api.submit(gpu="never")
+    answer = (await worker.post("lease", {"max_tasks": 8, "wait_s": 0})).json()
+    # Given a task queued after the answer that gave `since` (or a `since` from another controller's boot)
+    queued = await api.submit(gpu="never")
+    for since in (answer["since"], "x" * 64):
+        # When a poll sends it
+        resp = await worker.post("lease", {"max_tasks": 1, "wait_s": 0, "since": since})
+        # Then it looks, and finds what is queued
+        assert resp.status_code == 200, resp.text
+        if since == answer["since"]:
+            assert [t["id"] for t in resp.json()["tasks"]] == [queued["id"]]
+    # And a `since` that is no token at all is refused, naming the field
+    resp = await worker.post("lease", {"max_tasks": 1, "wait_s": 0, "since": "x" * 65})
+    assert resp.status_code == 422 and "since" in resp.text

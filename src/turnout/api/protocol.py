@@ -110,6 +110,7 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> WorkerRoutes:
         running = list(body.running)
         watching: list[str] = []  # leased to it since `running` was written: it may hold them unlisted
         mine = service.worker_signal(worker_id)
+        since = body.since  # its last answer's epoch: unchanged, there is nothing new to look for yet
         with service.queue_poll(worker_id, me.tenant) as poll:
             while True:
                 queue, stops, capacity = (
@@ -118,9 +119,15 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> WorkerRoutes:
                     mine.current(),
                 )
                 woken_for = poll.look()  # new tasks it was woken for (`Service.tasks_queued`)
-                with service.leasing(worker_id):
-                    result = await service.call(ctrl.offer, worker_id, max_tasks=body.max_tasks, running=running,
-                                                tenant=me.tenant, listed_at=listed_at, watching=watching)  # fmt: skip
+                epoch = service.polls_epoch.token()  # what fires from now on, this look may not have seen
+                if since == epoch and not woken_for:
+                    result = LeaseResult(looked=True)  # what its last look found still holds: nothing more
+                else:
+                    with service.leasing(worker_id):
+                        result = await service.call(ctrl.offer, worker_id, max_tasks=body.max_tasks,
+                                                    running=running, tenant=me.tenant, listed_at=listed_at,
+                                                    watching=watching)  # fmt: skip
+                since = None
                 if unseen := poll.looked(result, woken_for):
                     service.pass_on(unseen, poll)
                 gone = {*result.cancel, *result.finished}
@@ -129,7 +136,12 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> WorkerRoutes:
                 left = deadline - time.monotonic()
                 if result.leases or result.cancel or left <= 0 or service.closing.is_set():
                     leased(result)
-                    return FastJSON(leases_out(result))
+                    answer = leases_out(result)
+                    if (
+                        result.looked and not result.backlog and not result.full
+                    ):  # it took all there was for it
+                        answer["since"] = epoch
+                    return FastJSON(answer)
                 # a full worker waits for its own capacity (or a cancel, a timeout, a fleet change), not for every
                 # new task: under a flood of submissions that would re-run its lease for nothing, hundreds of times
                 # a second; one with room, for a new task it could take, or any other change to the queue

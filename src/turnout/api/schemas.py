@@ -254,6 +254,8 @@ class LeaseAskIn(Strict):
 
 class LeaseIn(LeaseAskIn):
     wait_s: float = Field(20.0, ge=0, le=60)  # a long poll: answered at once when there is work
+    # the `since` of this worker's last poll answer: nothing it could take has changed since, park at once
+    since: str | None = Field(None, max_length=64)
 
 
 class ResultIn(Strict):

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import secrets
 import threading
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -135,6 +136,25 @@ def _counted(counts: dict[str, int], key: str, when: bool) -> Iterator[None]:
                 counts.pop(key, None)
 
 
+class Epoch:
+    """How many times a lease poll's wake-ups have fired on this controller since it started, as a token.
+
+    A poll answered with tasks and nothing left queued for its worker gets the token (`since`); the worker's
+    next poll sends it back, and if nothing fired in between (no new task, no freed room, no cancel, nothing
+    from another replica) that poll parks at once instead of looking at the queue for nothing: most polls
+    follow an answer. The boot id keeps a restarted controller's count from matching an old token."""
+
+    def __init__(self) -> None:
+        self._boot = secrets.token_hex(6)
+        self._count = 0
+
+    def bump(self) -> None:
+        self._count += 1
+
+    def token(self) -> str:
+        return f"{self._boot}.{self._count}"
+
+
 class Signal:
     """A broadcast wake-up: take `current()` before checking, then `wait()` on it; no wake-up is lost.
 
@@ -142,9 +162,10 @@ class Signal:
     only this replica's, for a wake-up that came from another replica.
     """
 
-    def __init__(self, publish: Callable[[], None] | None = None) -> None:
+    def __init__(self, publish: Callable[[], None] | None = None, epoch: Epoch | None = None) -> None:
         self._event = asyncio.Event()
         self._publish = publish
+        self._epoch = epoch
 
     def current(self) -> asyncio.Event:
         return self._event
@@ -157,6 +178,8 @@ class Signal:
     def fire(self) -> None:
         self._event.set()
         self._event = asyncio.Event()
+        if self._epoch is not None:
+            self._epoch.bump()
 
     @staticmethod
     async def wait(event: asyncio.Event, timeout_s: float) -> None:
@@ -234,9 +257,12 @@ class Service:
         self._db = threading.Thread(target=self._run_jobs, name="turnout-db", daemon=True)
         self._db.start()
         self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="turnout-read")
-        self.queue_changed = Signal(self._publisher("queue"))  # new tasks, freed capacity, cancellations
+        self.polls_epoch = Epoch()  # bumped by whatever may wake a lease poll
+        self.queue_changed = Signal(
+            self._publisher("queue"), self.polls_epoch
+        )  # new tasks, freed room, cancels
         # cancellations, timeouts, workers coming and going: what `changed()` says (wakes full workers' polls)
-        self.changes = Signal(self._publisher("changes"))
+        self.changes = Signal(self._publisher("changes"), self.polls_epoch)
         # a task reached a terminal state by any way other than its worker's result (cancel, timeout, loss),
         # or another replica says one did: every result wait looks again
         self.tasks_changed = Signal(self._publisher("tasks"))
@@ -397,7 +423,9 @@ class Service:
     def worker_signal(self, worker_id: str) -> Signal:
         signal = self._worker_signals.get(worker_id)
         if signal is None:
-            signal = self._worker_signals[worker_id] = Signal(self._publisher(f"w={worker_id}"))
+            signal = self._worker_signals[worker_id] = Signal(
+                self._publisher(f"w={worker_id}"), self.polls_epoch
+            )
         return signal
 
     @contextlib.contextmanager
@@ -434,6 +462,7 @@ class Service:
         not all of them. With every poll woken by every task, all but one looked at the queue for nothing: one
         lease in three of a lone task's. A woken poll that leaves work queued, or could not look, wakes the next
         (`pass_on`). Other replicas' polls all wake, as for any change to the queue."""
+        self.polls_epoch.bump()
         publish = self._publisher("queue")
         if publish is not None:
             publish()

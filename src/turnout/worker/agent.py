@@ -285,13 +285,17 @@ class Agent:
 
     async def _lease_loop(self) -> None:
         delay = 0.2
+        since: str | None = None  # the last answer's `since`: the next poll parks at once if nothing changed
         while True:
             if not self._leasing:
                 return
             sent_as = self._started
+            ask: dict[str, Any] = {"max_tasks": self.settings.max_lease, "running": self._held()}
+            if since is not None:
+                ask["since"] = since
+            since = None
             try:
-                answer = await self.client.lease({"max_tasks": self.settings.max_lease, "running": self._held()},
-                                                 self.settings.lease_wait_s)  # fmt: skip
+                answer = await self.client.lease(ask, self.settings.lease_wait_s)
                 if answer is None:
                     await self.register()
                     continue
@@ -301,6 +305,7 @@ class Agent:
                 await asyncio.sleep(jittered(delay))
                 delay = min(delay * 2, 5.0)
                 continue
+            since = answer.get("since") if isinstance(answer.get("since"), str) else None
             self._accept(answer, sent_as)
 
     def _accept(self, answer: dict[str, Any], sent_as: int) -> None:
