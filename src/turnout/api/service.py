@@ -29,9 +29,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import logging
 import secrets
 import threading
+from collections import Counter
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -258,9 +260,8 @@ class Service:
         self._db.start()
         self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="turnout-read")
         self.polls_epoch = Epoch()  # bumped by whatever may wake a lease poll
-        self.queue_changed = Signal(
-            self._publisher("queue"), self.polls_epoch
-        )  # new tasks, freed room, cancels
+        # retries and pipeline stages queued, freed room, cancels: wakes every poll with room (new tasks wake one)
+        self.queue_changed = Signal(self._publisher("queue"), self.polls_epoch)
         # cancellations, timeouts, workers coming and going: what `changed()` says (wakes full workers' polls)
         self.changes = Signal(self._publisher("changes"), self.polls_epoch)
         # a task reached a terminal state by any way other than its worker's result (cancel, timeout, loss),
@@ -459,9 +460,9 @@ class Service:
 
     def tasks_queued(self, tasks: Sequence[Task]) -> None:
         """Submissions queued these tasks: wake, for each, the longest-waiting lease poll that could take it,
-        not all of them. With every poll woken by every task, all but one looked at the queue for nothing: one
-        lease in three of a lone task's. A woken poll that leaves work queued, or could not look, wakes the next
-        (`pass_on`). Other replicas' polls all wake, as for any change to the queue."""
+        not all of them: with every poll woken by every task, every idle worker looked at the queue for each new
+        task though only one could take it. A woken poll that leaves work queued, or could not look, wakes the
+        next (`pass_on`). Other replicas' polls all wake, as for any change to the queue."""
         self.polls_epoch.bump()
         publish = self._publisher("queue")
         if publish is not None:
@@ -473,14 +474,14 @@ class Service:
         self._wake(woken_for, poll)
 
     def _wake(self, woken_for: list[tuple[str, str]], skip: QueuePoll | None) -> None:
-        woken: list[QueuePoll] = []
-        for cap, tenant in woken_for:
-            fits = [p for p in self._polls if p is not skip and p.may_take(cap, tenant)]
-            poll = next((p for p in fits if p not in woken), fits[0] if fits else None)
-            if poll is not None:  # a new one while any is left, else one already woken looks for it too
-                poll.woken_for.append((cap, tenant))
+        """For n tasks of one (capability, tenant), the n longest-waiting polls that could take them (fewer if
+        fewer wait); each woken poll carries the pair once, however many tasks it stands for."""
+        for (cap, tenant), n in Counter(woken_for).items():
+            fits = (p for p in self._polls if p is not skip and p.may_take(cap, tenant))
+            for poll in itertools.islice(fits, n):
+                if (cap, tenant) not in poll.woken_for:
+                    poll.woken_for.append((cap, tenant))
                 poll.event.set()
-                woken.append(poll)
 
     def capacity_freed(self, worker_id: str, offered: LeaseResult | None) -> None:
         """Results freed room on a worker: wake its own lease poll to fill it, where freed room could change its
