@@ -126,13 +126,14 @@ async def test_a_wake_up_a_poll_did_not_look_at_goes_to_the_next(api: Api) -> No
     first_poll, second_poll = service.queue_poll("w_1", ALL_TENANTS), service.queue_poll("w_2", ALL_TENANTS)
     first, second = first_poll.__enter__(), second_poll.__enter__()
     try:
-        first.look(), second.look()
-        service.pass_on([("shout", "default")], second)
+        first.look(service.polls_epoch), second.look(service.polls_epoch)
+        service.pass_on([("shout", "default", service.polls_epoch.count + 1)], second)
         assert first.event.is_set() and not second.event.is_set()
         # When the first ends (it answered its worker with other tasks) before it looked again
         first_poll.__exit__(None, None, None)
         # Then the second is woken for what the first was
-        assert second.event.is_set() and second.look() == [("shout", "default")]
+        assert second.event.is_set()
+        assert second.look(service.polls_epoch) == [("shout", "default", service.polls_epoch.count + 1)]
     finally:
         second_poll.__exit__(None, None, None)
 
@@ -241,3 +242,24 @@ async def test_a_poll_whose_since_is_out_of_date_looks(api: Api) -> None:
     # And a `since` that is no token at all is refused, naming the field
     resp = await worker.post("lease", {"max_tasks": 1, "wait_s": 0, "since": "x" * 65})
     assert resp.status_code == 422 and "since" in resp.text
+
+
+async def test_a_task_no_poll_can_take_yet_costs_each_poll_one_look(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    api.service.recheck_s = 30.0
+    looks = count_looks(api, monkeypatch)
+    # Given two workers with 2 of their 4 CPUs taken, their polls parked
+    workers = [await api.worker(), await api.worker()]
+    for _ in range(4):
+        await api.submit(gpu="never", resources={"cpu": 1})
+    held = {w.id: [t["id"] for t in (await w.lease(max_tasks=2))["tasks"]] for w in workers}
+    assert [len(ids) for ids in held.values()] == [2, 2]
+    polls = [(w, await park(w, looks, running=held[w.id])) for w in workers]
+    before = dict(looks)
+    # When a task asking 3 CPUs is submitted: neither can take it now
+    await api.submit(gpu="never", resources={"cpu": 3})
+    await asyncio.sleep(0.3)
+    # Then each poll looked once (the wake-up passed on, and not back), and both still wait
+    assert {w.id: looks[w.id] - before[w.id] for w, _ in polls} == {w.id: 1 for w, _ in polls}
+    assert not any(poll.done() for _, poll in polls)

@@ -118,7 +118,9 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> WorkerRoutes:
                     service.changes.current(),
                     mine.current(),
                 )
-                woken_for = poll.look()  # new tasks it was woken for (`Service.tasks_queued`)
+                woken_for = poll.look(
+                    service.polls_epoch
+                )  # new tasks it was woken for (`Service.tasks_queued`)
                 epoch = service.polls_epoch.token()  # what fires from now on, this look may not have seen
                 if since == epoch and not woken_for:
                     result = LeaseResult(looked=True)  # what its last look found still holds: nothing more

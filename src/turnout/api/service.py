@@ -122,6 +122,9 @@ def storage_unavailable(exc: BaseException) -> StorageUnavailable:
     return StorageUnavailable(STORAGE_MESSAGE, retry_after_s=STORAGE_RETRY_AFTER_S)
 
 
+NewTasks = tuple[str, str, int]  # (capability, tenant, the epoch count once they were queued)
+
+
 @contextlib.contextmanager
 def _counted(counts: dict[str, int], key: str, when: bool) -> Iterator[None]:
     """`counts[key]` one higher while the block runs (if `when`); the key is gone once it is back to none."""
@@ -152,6 +155,10 @@ class Epoch:
 
     def bump(self) -> None:
         self._count += 1
+
+    @property
+    def count(self) -> int:
+        return self._count
 
     def token(self) -> str:
         return f"{self._boot}.{self._count}"
@@ -207,7 +214,8 @@ class QueuePoll:
     event: asyncio.Event = field(default_factory=asyncio.Event)  # set: look at the queue again
     offers: frozenset[str] | None = None  # its capabilities; None until its first look: anything may fit
     full: bool = False  # parked for freed room only: a new task is nothing to it
-    woken_for: list[tuple[str, str]] = field(default_factory=list)  # (capability, tenant) of the new tasks
+    woken_for: list[NewTasks] = field(default_factory=list)  # new tasks it was woken for, not yet looked at
+    looked_at: int = -1  # the epoch count when its last look began: tasks queued before that, it has seen
 
     def may_take(self, capability: str, tenant: str) -> bool:
         return (
@@ -216,18 +224,19 @@ class QueuePoll:
             and self.tenant in (ALL_TENANTS, tenant)
         )
 
-    def look(self) -> list[tuple[str, str]]:
+    def look(self, epoch: Epoch) -> list[NewTasks]:
         """Before a look at the queue: what it was woken for since the last, and a fresh event for after."""
         woken_for, self.woken_for, self.event = self.woken_for, [], asyncio.Event()
+        self.looked_at = epoch.count
         return woken_for
 
-    def looked(self, result: LeaseResult, woken_for: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    def looked(self, result: LeaseResult, woken_for: list[NewTasks]) -> list[NewTasks]:
         """After a look: what to wake another poll for. Nothing where it looked at all it could take and left
         nothing queued (it took the new tasks, or they were gone already); else what it was woken for."""
         self.offers = result.offers if result.offers is not None else self.offers
         self.full = result.full
         if result.looked and not result.backlog:
-            return [(cap, tenant) for cap, tenant in woken_for if not self.may_take(cap, tenant)]
+            return [new for new in woken_for if not self.may_take(new[0], new[1])]
         return woken_for
 
 
@@ -467,20 +476,25 @@ class Service:
         publish = self._publisher("queue")
         if publish is not None:
             publish()
-        self._wake([(t.spec.capability, t.tenant) for t in tasks], None)
+        count = self.polls_epoch.count
+        self._wake([(t.spec.capability, t.tenant, count) for t in tasks], None)
 
-    def pass_on(self, woken_for: list[tuple[str, str]], poll: QueuePoll) -> None:
+    def pass_on(self, woken_for: list[NewTasks], poll: QueuePoll) -> None:
         """A poll woken for these new tasks did not take them all: the next poll that could take them looks."""
         self._wake(woken_for, poll)
 
-    def _wake(self, woken_for: list[tuple[str, str]], skip: QueuePoll | None) -> None:
-        """For n tasks of one (capability, tenant), the n longest-waiting polls that could take them (fewer if
-        fewer wait); each woken poll carries the pair once, however many tasks it stands for."""
-        for (cap, tenant), n in Counter(woken_for).items():
-            fits = (p for p in self._polls if p is not skip and p.may_take(cap, tenant))
+    def _wake(self, woken_for: list[NewTasks], skip: QueuePoll | None) -> None:
+        """For n new tasks of one (capability, tenant), the n longest-waiting polls that could take them and
+        have not looked since they were queued (fewer if fewer wait): a wake-up passed on never comes back to a
+        poll that saw the tasks, so tasks nobody can take yet cost each poll one look, not a game of ping-pong.
+        Each woken poll carries the triple once, however many tasks it stands for."""
+        for new, n in Counter(woken_for).items():
+            cap, tenant, queued_at = new
+            fits = (p for p in self._polls
+                    if p is not skip and p.looked_at < queued_at and p.may_take(cap, tenant))  # fmt: skip
             for poll in itertools.islice(fits, n):
-                if (cap, tenant) not in poll.woken_for:
-                    poll.woken_for.append((cap, tenant))
+                if new not in poll.woken_for:
+                    poll.woken_for.append(new)
                 poll.event.set()
 
     def capacity_freed(self, worker_id: str, offered: LeaseResult | None) -> None:
