@@ -1,4 +1,4 @@
-"""`WorkerFastPath` answers a plain report itself and passes everything else to the route, body intact.
+"""`FastPath` answers a plain report or submission itself and passes everything else to the route, body intact.
 
 Driven as ASGI, around a stand-in for the rest of the app that records what reaches it, with a real service
 whose token and worker caches were filled by a real registration (the in-process API, conftest.py)."""
@@ -11,10 +11,11 @@ from typing import Any
 import pytest
 
 from tests.inprocess.conftest import Api, Worker
-from turnout.api.fastpath import WorkerFastPath
-from turnout.api.schemas import CompleteIn, FastJSON
+from turnout.access import Principal
+from turnout.api.fastpath import FastPath
+from turnout.api.schemas import CompleteIn, FastJSON, TaskIn
 from turnout.auth import WorkerCredential
-from turnout.errors import NotFound
+from turnout.errors import NotFound, RateLimited
 
 pytestmark = pytest.mark.anyio
 REPORT = {"results": [{"task_id": "t_0123456789abcdef01234567", "attempt": 1, "status": "succeeded",
@@ -70,17 +71,21 @@ def headers(w: Worker, **changes: str) -> dict[str, str]:
             "Content-Type": "application/json", **changes}  # fmt: skip
 
 
-def fast_path(
-    api: Api, answered: list[tuple[str, CompleteIn, WorkerCredential]]
-) -> tuple[WorkerFastPath, Rest]:
+def fast_path(api: Api, answered: list[Any]) -> tuple[FastPath, Rest]:
     async def answer(worker_id: str, body: CompleteIn, me: WorkerCredential) -> FastJSON:
         answered.append((worker_id, body, me))
         if body.results[0].attempt == 9:
             raise NotFound("no such attempt", field="results.0.attempt")
         return FastJSON({"fast": True})
 
+    async def submitted(body: TaskIn, p: Principal) -> FastJSON:
+        answered.append((body, p))
+        if body.priority == 9:
+            raise RateLimited("too many submissions", retry_after_s=2.5)
+        return FastJSON({"submitted": True}, status_code=201)
+
     rest = Rest()
-    return WorkerFastPath(rest, api.service, answer), rest
+    return FastPath(rest, api.service, complete=answer, submit=submitted), rest
 
 
 async def test_a_plain_report_is_answered_without_the_route(api: Api, worker: Worker) -> None:
@@ -155,5 +160,59 @@ async def test_anything_unsure_goes_to_the_route_with_its_body_intact(
         status, answer = await call(app, scope_path, hdrs, body)
     else:
         status, answer = await call(app, path, hdrs, body, query)
+    assert (status, answer, answered) == (200, {"route": True}, [])
+    assert rest.bodies == [body]
+
+
+SUBMISSION = {"capability": "shout", "input": {"text": "hi"}}
+
+
+async def submitter(api: Api, role: str = "submit") -> dict[str, str]:
+    """Headers of a token of `role` the service has cached (one request through the app verified it)."""
+    token = await api.token(role, "acme")
+    assert (await api.as_(token, "GET", "/v1/tasks")).status_code in (200, 403)
+    return {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+
+
+async def test_a_plain_submission_is_answered_without_the_route(api: Api) -> None:
+    answered: list[Any] = []
+    app, rest = fast_path(api, answered)
+    status, body = await call(app, "/v1/tasks", await submitter(api), json.dumps(SUBMISSION).encode())
+    assert (status, body, rest.bodies) == (201, {"submitted": True}, [])
+    [(task, principal)] = answered
+    assert task == TaskIn.model_validate(SUBMISSION) and principal.home_tenant == "acme"
+
+
+async def test_a_refusal_the_submission_raises_is_rendered_as_the_route_would(api: Api) -> None:
+    app, _ = fast_path(api, [])
+    status, body = await call(app, "/v1/tasks", await submitter(api),
+                              json.dumps({**SUBMISSION, "priority": 9}).encode())  # fmt: skip
+    assert status == 429 and body["error"]["type"] == "rate_limited"
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["read token", "unknown token", "no token", "bad body", "extra field", "NaN", "query", "the batch"],
+)
+async def test_an_unsure_submission_goes_to_the_route_with_its_body_intact(api: Api, case: str) -> None:
+    answered: list[Any] = []
+    app, rest = fast_path(api, answered)
+    hdrs = await submitter(api, "read" if case == "read token" else "submit")
+    path, body, query = "/v1/tasks", json.dumps(SUBMISSION).encode(), b""
+    if case == "unknown token":
+        hdrs["Authorization"] = "Bearer tok_never_seen"
+    elif case == "no token":
+        del hdrs["Authorization"]
+    elif case == "bad body":
+        body = json.dumps({"capability": 5}).encode()
+    elif case == "extra field":
+        body = json.dumps({**SUBMISSION, "sneaky": 1}).encode()
+    elif case == "NaN":
+        body = b'{"capability": "shout", "input": NaN}'
+    elif case == "query":
+        query = b"x=1"
+    elif case == "the batch":
+        path, body = "/v1/tasks/batch", json.dumps({"tasks": [SUBMISSION]}).encode()
+    status, answer = await call(app, path, hdrs, body, query)
     assert (status, answer, answered) == (200, {"route": True}, [])
     assert rest.bodies == [body]

@@ -27,7 +27,7 @@ from turnout.api import (
     workers,
 )
 from turnout.api import metrics as prometheus
-from turnout.api.fastpath import WorkerFastPath
+from turnout.api.fastpath import FastPath
 from turnout.api.gate import SubmitGate
 from turnout.api.guards import Guards
 from turnout.api.limits import BodyLimit
@@ -59,14 +59,16 @@ def create_app(service: Service) -> FastAPI:
     guards = Guards(service)
     metrics = prometheus.Metrics(service.controller)
     worker_routes = protocol.router(service, guards, metrics)
-    app.add_middleware(WorkerFastPath, service=service, complete=worker_routes.complete)  # inside the limits
+    task_routes = tasks.router(service, guards)
+    # inside the limits: reports and single submissions answered without FastAPI's machinery when plain
+    app.add_middleware(FastPath, service=service, complete=worker_routes.complete, submit=task_routes.submit)
     app.add_middleware(BodyLimit, limits=settings.request_limits)
     app.add_middleware(SubmitGate, service=service)  # outermost: 429 over the rate, body unread
 
     # in this order: the OpenAPI document lists the routes as they are included
     app.include_router(docs.router(app, guards))
     app.include_router(prometheus.router(service, metrics))  # /healthz and /metrics: open to anyone
-    app.include_router(tasks.router(service, guards))
+    app.include_router(task_routes.router)
     app.include_router(capabilities.router(service, guards))
     app.include_router(workers.router(service, guards))
     app.include_router(worker_routes.router)

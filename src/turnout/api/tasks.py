@@ -16,7 +16,8 @@ from __future__ import annotations
 import functools
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Header, Query, Request
@@ -36,20 +37,34 @@ EVENTS_PER_READ = 5000
 iso_cached = functools.lru_cache(maxsize=256)(iso)
 
 
-def router(service: Service, guards: Guards) -> APIRouter:
+SubmitAnswer = Callable[[TaskIn, Principal], Awaitable[FastJSON]]
+
+
+@dataclass(frozen=True)
+class TaskRoutes:
+    """The task routes, and the answer to a single submission, which `fastpath.py` also gives."""
+
+    router: APIRouter
+    submit: SubmitAnswer
+
+
+def router(service: Service, guards: Guards) -> TaskRoutes:
     api = APIRouter(route_class=StrictJsonRoute)
     ctrl = service.controller
     limits = ctrl.settings.request_limits
     need = guards.need
 
-    @api.post("/v1/tasks", status_code=201, response_class=FastJSON)
-    async def submit(body: TaskIn, p: Principal = need(Action.SUBMIT)) -> FastJSON:
+    async def submit_answer(body: TaskIn, p: Principal) -> FastJSON:
         specs = [body.to_spec(limits)]
         service.admit(p.home_tenant, specs)  # a 429 before the database: a flood costs the others nothing
         tasks = await service.call(ctrl.submit, p.home_tenant, specs,
                                    waits_for_capacity=[body.waits_for_capacity])  # fmt: skip
         service.tasks_queued(tasks)
         return FastJSON(task_out(tasks[0]), status_code=201)
+
+    @api.post("/v1/tasks", status_code=201, response_class=FastJSON)
+    async def submit(body: TaskIn, p: Principal = need(Action.SUBMIT)) -> FastJSON:
+        return await submit_answer(body, p)
 
     @api.post("/v1/tasks/batch", status_code=201, response_class=FastJSON)
     async def submit_batch(body: TaskBatchIn, p: Principal = need(Action.SUBMIT)) -> FastJSON:
@@ -118,7 +133,7 @@ def router(service: Service, guards: Guards) -> APIRouter:
             headers={"Cache-Control": "no-cache"},
         )
 
-    return api
+    return TaskRoutes(api, submit_answer)
 
 
 def _resume_from(last_event_id: str | None) -> int:
