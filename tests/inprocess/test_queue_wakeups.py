@@ -29,17 +29,20 @@ pytestmark = pytest.mark.anyio
 CPU_OTHER = {"capability": "other", "device": "cpu", "resources": {"cpu": 1}}
 
 
-def count_looks(api: Api, monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
-    """How many times each worker's leases looked at the queue."""
-    looks: Counter[str] = Counter()
+@pytest.fixture
+def looks(api: Api, monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """How many times each worker's leases looked at the queue, with no periodic look (only a wake-up ends a
+    poll early)."""
+    api.service.recheck_s = 30.0
+    counts: Counter[str] = Counter()
     offer = api.ctrl.offer
 
     def counted(worker_id: str, **ask: Any) -> Any:
-        looks[worker_id] += 1
+        counts[worker_id] += 1
         return offer(worker_id, **ask)
 
     monkeypatch.setattr(api.ctrl, "offer", counted)
-    return looks
+    return counts
 
 
 async def park(worker: Worker, looks: Counter[str], running: list[str] | None = None) -> asyncio.Future[Any]:
@@ -60,9 +63,7 @@ async def leased_ids(poll: asyncio.Future[Any]) -> list[str]:
     return [t["id"] for t in resp.json()["tasks"]]
 
 
-async def test_a_new_task_wakes_one_parked_poll_not_all(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
-    api.service.recheck_s = 30.0  # no periodic look: only a wake-up ends a poll early
-    looks = count_looks(api, monkeypatch)
+async def test_a_new_task_wakes_one_parked_poll_not_all(api: Api, looks: Counter[str]) -> None:
     first, second = await api.worker(), await api.worker()
     # Given two idle workers' polls parked, each able to take the task
     poll_1, poll_2 = await park(first, looks), await park(second, looks)
@@ -77,11 +78,7 @@ async def test_a_new_task_wakes_one_parked_poll_not_all(api: Api, monkeypatch: p
     assert await leased_ids(poll_2) == [other["id"]]
 
 
-async def test_a_poll_that_cannot_take_the_task_is_not_woken(
-    api: Api, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    api.service.recheck_s = 30.0
-    looks = count_looks(api, monkeypatch)
+async def test_a_poll_that_cannot_take_the_task_is_not_woken(api: Api, looks: Counter[str]) -> None:
     # Given the longest-parked poll is a worker's that offers another capability, or serves another tenant
     elsewhere = await api.worker(CPU_OTHER)
     token = await api.token("worker", "acme")
@@ -100,11 +97,7 @@ async def test_a_poll_that_cannot_take_the_task_is_not_woken(
     assert not polls[0].done() and not polls[1].done()
 
 
-async def test_a_poll_with_no_room_for_the_task_passes_the_wake_up_on(
-    api: Api, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    api.service.recheck_s = 30.0
-    looks = count_looks(api, monkeypatch)
+async def test_a_poll_with_no_room_for_the_task_passes_the_wake_up_on(api: Api, looks: Counter[str]) -> None:
     busy, idle = await api.worker(), await api.worker()
     # Given the longest-parked poll is a worker's with 2 of its 4 CPUs taken
     held = [await api.submit(gpu="never", resources={"cpu": 1}) for _ in range(2)]
@@ -139,10 +132,8 @@ async def test_a_wake_up_a_poll_did_not_look_at_goes_to_the_next(api: Api) -> No
 
 
 async def test_a_result_wakes_its_workers_poll_only_where_freed_room_could_change_its_answer(
-    api: Api, monkeypatch: pytest.MonkeyPatch
+    api: Api, looks: Counter[str]
 ) -> None:
-    api.service.recheck_s = 30.0
-    looks = count_looks(api, monkeypatch)
     worker = await api.worker()
     held = [await api.submit(gpu="never", resources={"cpu": 1}) for _ in range(3)]
     leases = {t["id"]: t for t in (await worker.lease(max_tasks=3))["tasks"]}
@@ -205,10 +196,8 @@ async def test_a_result_wakes_a_poll_whose_free_room_was_kept_for_another_tenant
 
 
 async def test_a_poll_after_an_answer_that_left_nothing_queued_parks_without_looking(
-    api: Api, monkeypatch: pytest.MonkeyPatch
+    api: Api, looks: Counter[str]
 ) -> None:
-    api.service.recheck_s = 30.0
-    looks = count_looks(api, monkeypatch)
     worker = await api.worker()
     first = await api.submit(gpu="never")
     # Given a poll answered with the only task queued: the answer says `since`
@@ -244,11 +233,7 @@ async def test_a_poll_whose_since_is_out_of_date_looks(api: Api) -> None:
     assert resp.status_code == 422 and "since" in resp.text
 
 
-async def test_a_task_no_poll_can_take_yet_costs_each_poll_one_look(
-    api: Api, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    api.service.recheck_s = 30.0
-    looks = count_looks(api, monkeypatch)
+async def test_a_task_no_poll_can_take_yet_costs_each_poll_one_look(api: Api, looks: Counter[str]) -> None:
     # Given two workers with 2 of their 4 CPUs taken, their polls parked
     workers = [await api.worker(), await api.worker()]
     for _ in range(4):
