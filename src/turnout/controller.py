@@ -36,7 +36,7 @@ from turnout.models import (
     new_id,
 )
 from turnout.routing import servable
-from turnout.runs import Chains
+from turnout.runs import Chains, RunView
 from turnout.store import Store
 from turnout.store.files import FileRecord
 from turnout.store.replicas import hold_worker
@@ -112,6 +112,9 @@ class Exchange:
     lease: LeaseResult | None = None  # None: the worker asked for no work
     chains: Chains = field(default_factory=Chains)  # the next stages these results said were started
     runs: frozenset[str] = frozenset()  # pipeline runs whose stages these results ended
+    # the tasks and runs these results ended that someone waits on, as committed (`Controller.exchange`)
+    ended_tasks: Mapping[str, Task] = field(default_factory=dict)
+    ended_runs: Mapping[str, RunView] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -582,28 +585,50 @@ class Controller:
     # ---- results -----------------------------------------------------------------------------
 
     def exchange(
-        self, worker_id: str, completions: Sequence[Completion], ask: LeaseAsk | None = None
+        self,
+        worker_id: str,
+        completions: Sequence[Completion],
+        ask: LeaseAsk | None = None,
+        *,
+        watched: Callable[[str], bool] | None = None,
     ) -> Exchange:
         """Commit a worker's results and, if it `ask`s, lease it work for the room they freed: in one call, so
         in one transaction (one fsync), and a pipeline's next stage, queued by its last stage's result, can go
         straight back to the worker that ran it. With nothing queued anywhere (as this controller last looked,
         at most QUEUED_TENANTS_CACHE_S ago; what it queues itself it knows at once) the lease is not tried: the
         results' commit waits for no queries that would find nothing, and the worker's long poll, which waits
-        for new tasks whenever it has room, takes what comes next."""
+        for new tasks whenever it has room, takes what comes next.
+
+        `watched(id)`: whether a client waits on that task or run: those that ended here are read back in this
+        call (`Exchange.ended_tasks`, `ended_runs`), so the waits answer without one more read each, a hop to
+        a reader thread and its queries, while the client is on the clock."""
         settled = self.settle(worker_id, completions)
         accepted, refused = settled.accepted, settled.refused
         queued = self.runs.take_queued()
-        if ask is None:
-            return Exchange(accepted, refused, queued, chains=settled.chains, runs=settled.runs)
-        if not self._tenants_queued():
-            return Exchange(accepted, refused, queued, LeaseResult(), settled.chains, settled.runs)
-        done = set(accepted)
-        running = [tid for tid in ask.running if tid not in done]
-        try:
-            got = self.offer(worker_id, max_tasks=ask.max_tasks, running=running, tenant=ask.tenant)
-        except NotFound:  # it left (or was never here): its verdicts stand, and it gets no work
+        ended_tasks, ended_runs = self._ended(settled, watched) if watched else ({}, {})
+        got: LeaseResult | None = None
+        if ask is not None:
             got = LeaseResult()
-        return Exchange(accepted, refused, queued, got, settled.chains, settled.runs)
+            done = set(accepted)
+            running = [tid for tid in ask.running if tid not in done]
+            try:
+                if self._tenants_queued():
+                    got = self.offer(worker_id, max_tasks=ask.max_tasks, running=running, tenant=ask.tenant)
+            except NotFound:  # it left (or was never here): its verdicts stand, and it gets no work
+                pass
+        return Exchange(accepted, refused, queued, got, settled.chains, settled.runs, ended_tasks, ended_runs)
+
+    def _ended(
+        self, settled: Settled, watched: Callable[[str], bool]
+    ) -> tuple[dict[str, Task], dict[str, RunView]]:
+        """The watched tasks and runs these results ended, as they stand after the results' writes."""
+        ids = [tid for tid in settled.accepted if watched(tid)]
+        tasks = {t.id: t for t in self.store.get_tasks(ids) if t.state.terminal} if ids else {}
+        runs: dict[str, RunView] = {}
+        for run in self.store.runs.get_runs(sorted(r for r in settled.runs if watched(r))):
+            if run.state.terminal:
+                runs[run.id] = (run, self.runs.tasks_of(run))
+        return tasks, runs
 
     def offer(self, worker_id: str, **ask: Any) -> LeaseResult:
         """`lease`, with each pipeline stage's lease telling the stages that may run right after it there."""

@@ -82,6 +82,9 @@ class Chains:
         return [child for child in self.claimed.values() if child not in set(self.accepted)]
 
 
+RunView = tuple[PipelineRun, list[Task | None]]  # a run and its task per stage (None: not started)
+
+
 class PipelineRuns:
     def __init__(self, controller: Controller) -> None:
         self.ctrl = controller
@@ -96,9 +99,12 @@ class PipelineRuns:
             raise NotFound(f"pipeline {name!r} is not configured (configured: {known})", field="name")
         return found
 
-    def start(self, tenant: str, name: str, run_input: Any, gpu: GpuMode | None = None) -> PipelineRun:
-        """Create the run and queue its first stage, in one commit. Every stage's capability must be known now:
-        a typo in the config fails the run's start, not its third stage an hour later."""
+    def start(
+        self, tenant: str, name: str, run_input: Any, gpu: GpuMode | None = None, *, run_id: str | None = None
+    ) -> tuple[PipelineRun, Task]:
+        """Create the run and queue its first stage, in one commit; returns the run and that stage's task. Every
+        stage's capability must be known now: a typo in the config fails the run's start, not its third stage an
+        hour later. `run_id`: the id to give it (a caller may watch for its end before it exists)."""
         pipeline = self.pipeline(name)
         if run_input is None:
             run_input = {}
@@ -108,19 +114,23 @@ class PipelineRuns:
         for i, stage in enumerate(pipeline.stages):
             self.ctrl._check_known(stage.capability, f"pipelines.{name}.stages.{i}.capability", tenant)
         now = self.ctrl.clock()
-        run = PipelineRun(id=new_id("r_"), tenant=tenant, pipeline=name, state=RunState.RUNNING,
+        run = PipelineRun(id=run_id or new_id("r_"), tenant=tenant, pipeline=name, state=RunState.RUNNING,
                           input=dict(run_input), gpu=gpu, stages=pipeline.stages, task_ids=(), created_at=now)  # fmt: skip
         first = self._stage_task(run, 0, [], now)
-        self.store.insert_run(replace(run, task_ids=(first.id,)))
-        self._queue(first)
-        return self.get(tenant, run.id)
+        run = replace(run, task_ids=(first.id,))
+        self.store.insert_run(run)
+        self._queue(first, noted=False)  # the caller wakes the lease polls for it (`Service.tasks_queued`)
+        return run, first
 
-    def _queue(self, task: Task) -> None:
+    def _queue(self, task: Task, *, noted: bool = True) -> None:
         """Queue a stage's task. Not a client's submission (the run was, once): no submit rate; its tenant's
-        max_gpus and GPU allocation rate hold it at lease time, as they hold any task."""
+        max_gpus and GPU allocation rate hold it at lease time, as they hold any task. `noted`: kept for
+        `take_queued`, whose caller wakes the lease polls."""
         self.ctrl.store.insert_tasks([task])
         self.ctrl.queued_for(task.tenant)
-        if len(self.stages_queued) < MAX_NOTED:  # past it, a caller sees some not leased yet: it wakes all
+        if (
+            noted and len(self.stages_queued) < MAX_NOTED
+        ):  # past it, a caller sees some not leased yet: it wakes all
             self.stages_queued.append(task.id)
 
     def _stage_task(self, run: PipelineRun, index: int, done: list[Task], now: float) -> Task:

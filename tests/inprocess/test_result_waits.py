@@ -48,12 +48,35 @@ async def test_a_result_wait_reads_again_only_for_its_own_tasks_result(
     await asyncio.sleep(0.2)
     # Then the wait did not read again
     assert reads == [mine["id"]] and not waiting.done()
-    # And its own task's result answers it at once
+    # And its own task's result answers it at once, with the task as the result's commit read it back: no
+    # second read of its own
     started = time.monotonic()
     assert (await worker.complete(leases[mine["id"]], {"n": 1}))["accepted"] == [mine["id"]]
     done = (await asyncio.wait_for(waiting, 5)).json()
     assert (done["state"], done["output"]) == ("succeeded", {"n": 1})
-    assert time.monotonic() - started < 5 and reads == [mine["id"]] * 2
+    assert time.monotonic() - started < 5 and reads == [mine["id"]]
+    assert done == await api.task(mine["id"])  # what a read gives
+    assert not api.service._ended_tasks  # kept only while a wait is on it
+
+
+async def test_an_ended_task_kept_for_its_waits_is_not_given_to_another_tenant(api: Api) -> None:
+    # Given tenant acme's task ended while a wait is on it, its commit's read-back kept for that wait
+    worker = await api.worker()
+    acme = await api.token("submit", "acme")
+    other = await api.token("read", "default")
+    task = (await api.as_(acme, "POST", "/v1/tasks", json={"capability": "shout", "gpu": "never"})).json()
+    [lease] = (await worker.lease())["tasks"]
+    with api.service.watch_tasks([task["id"]]):
+        assert (await worker.complete(lease, {"secret": 1}))["accepted"] == [task["id"]]
+        assert api.service.ended_task(task["id"], "acme") is not None
+        # When another tenant waits for it
+        probe = await api.as_(other, "GET", f"/v1/tasks/{task['id']}/result", params={"wait": 5})
+        # Then it answers 404, as for any task of another tenant; its own tenant gets it
+        assert probe.status_code == 404, probe.text
+        assert api.service.ended_task(task["id"], "default") is None
+        mine = await api.as_(acme, "GET", f"/v1/tasks/{task['id']}/result", params={"wait": 5})
+        assert mine.json()["output"] == {"secret": 1}
+    assert api.service.ended_task(task["id"], "acme") is None  # gone with the last wait on it
 
 
 async def test_a_result_wait_still_hears_a_cancel(api: Api) -> None:
@@ -90,6 +113,8 @@ async def test_a_pipeline_runs_wait_wakes_on_its_stages_results_alone() -> None:
             for _ in range(2):
                 [stage] = (await worker.lease())["tasks"]
                 assert (await worker.complete(stage, {"text": "HI"}))["accepted"] == [stage["id"]]
-            # Then the wait answers at once, not after its 30 s look
+            # Then the wait answers at once, not after its 30 s look, with the run as a read gives it
             run = (await asyncio.wait_for(waiting, 5)).json()
             assert run["state"] == "succeeded"
+            assert run == (await client.get(f"/v1/pipeline-runs/{run_id}")).json()
+            assert not service._ended_runs  # kept only while a wait is on it

@@ -22,7 +22,7 @@ from turnout.api.service import Service, Signal
 from turnout.api.strictjson import StrictJsonRoute
 from turnout.config import Prices
 from turnout.errors import InvalidInput
-from turnout.models import GpuMode, Task
+from turnout.models import GpuMode, Task, new_id
 from turnout.pipelines import PipelineRun, RunState, run_costs, stage_gpu
 
 
@@ -43,10 +43,12 @@ def router(service: Service, guards: Guards) -> APIRouter:
     async def answer(tenant: str | None, run_id: str, wait: float, status_code: int = 200) -> FastJSON:
         """The run once it ends or `wait` seconds pass, encoded in one step (a waiting client is on the clock)."""
         deadline = time.monotonic() + wait
-        while True:
-            with service.watch_tasks([run_id]) as ended:  # a result that ends one of its stages names the run
+        with service.watch_tasks([run_id]) as ended:  # a result that ends one of its stages names the run
+            while True:
+                ended.clear()
                 signal = service.tasks_changed.current()
-                run, tasks = await service.read(_run_and_tasks, tenant, run_id)
+                view = service.ended_run(run_id, tenant)
+                run, tasks = view if view is not None else await service.read(_run_and_tasks, tenant, run_id)
                 left = deadline - time.monotonic()
                 if run.state.terminal or left <= 0:
                     return FastJSON(run_out(run, tasks, ctrl.settings.prices), status_code=status_code)
@@ -72,9 +74,15 @@ def router(service: Service, guards: Guards) -> APIRouter:
         # controller queues after it are not the client's submissions: only max_gpus and the allocation
         # rate hold them, at lease time, as for any task
         service.admit_counts(p.home_tenant, 1, int(stage_gpu(first, gpu) is GpuMode.REQUIRE))
-        run = await service.call(runs.start, p.home_tenant, name, body.input, gpu)
-        service.queue_changed.notify()
-        return await answer(p.scope, run.id, wait, 201)
+        deadline = time.monotonic() + wait
+        run_id = new_id("r_")
+        with service.watch_tasks([run_id]) as ended:  # from before it exists: it may end before we look
+            signal = service.tasks_changed.current()
+            _, task = await service.call(runs.start, p.home_tenant, name, body.input, gpu, run_id=run_id)
+            service.tasks_queued([task])
+            if wait > 0:  # a run just started is running: nothing to read before it could have ended
+                await Signal.wait_any([ended, signal], min(wait, service.recheck_s))
+            return await answer(p.scope, run_id, max(0.0, deadline - time.monotonic()), 201)
 
     @api.get("/v1/pipeline-runs")
     async def list_runs(

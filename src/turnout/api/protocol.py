@@ -161,13 +161,15 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> WorkerRoutes:
     async def complete_answer(worker_id: str, body: CompleteIn, me: WorkerCredential) -> FastJSON:
         completions = [r.to_completion() for r in body.results]
         ask = body.lease.to_ask(me.tenant) if body.lease else None
-        done = await service.call(ctrl.exchange, worker_id, completions, ask)
+        done = await service.call(ctrl.exchange, worker_id, completions, ask, watched=service.watched)
         answer: dict[str, Any] = {"accepted": done.accepted, "refused": done.refused}
         if done.chains.claimed:  # which of the stages the worker started may go on (the others it stops)
             answer.update(chained=done.chains.accepted, unchained=done.chains.refused)
         if done.accepted:
             service.capacity_freed(worker_id, done.lease)  # its capacity is free again; other workers' is not
-            service.results_in([*done.accepted, *done.runs])  # a run's wait watches the run's id
+            service.results_in(  # a run's wait watches the run's id
+                [*done.accepted, *done.runs], done.ended_tasks, done.ended_runs
+            )
         if done.lease is not None:
             leased(done.lease)
             answer.update(leases_out(done.lease))

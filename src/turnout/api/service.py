@@ -34,7 +34,7 @@ import logging
 import secrets
 import threading
 from collections import Counter
-from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -45,6 +45,7 @@ from turnout.controller import Controller, LeaseResult
 from turnout.errors import NotFound, StorageUnavailable
 from turnout.lanes import WORKER_LANE, Lanes
 from turnout.models import GpuMode, Task, TaskSpec, Worker, WorkerState
+from turnout.runs import RunView
 from turnout.store.notify import ALL, ANY_WORKER, ReplicaBus
 from turnout.store.replicas import claim_sweep, refresh_statistics
 from turnout.store.sql import is_storage_failure
@@ -277,6 +278,10 @@ class Service:
         # or another replica says one did: every result wait looks again
         self.tasks_changed = Signal(self._publisher("tasks"))
         self._task_waits: dict[str, set[asyncio.Event]] = {}  # task id -> result waits on it (`watch_tasks`)
+        # what a result's commit read back for the waits on a task or run it ended (`results_in`), kept while
+        # they wait; keyed like `_task_waits`
+        self._ended_tasks: dict[str, Task] = {}
+        self._ended_runs: dict[str, RunView] = {}
         self.events_added = Signal(self._publisher("events"))
         self._worker_signals: dict[
             str, Signal
@@ -420,15 +425,44 @@ class Service:
                     waits.discard(event)
                     if not waits:
                         del self._task_waits[task_id]
+                        self._ended_tasks.pop(task_id, None)
+                        self._ended_runs.pop(task_id, None)
 
-    def results_in(self, task_ids: Iterable[str]) -> None:
+    def watched(self, task_id: str) -> bool:
+        """Whether a wait here watches this task or run (asked from the database thread: a dict lookup)."""
+        return task_id in self._task_waits
+
+    def results_in(
+        self,
+        task_ids: Iterable[str],
+        tasks: Mapping[str, Task] | None = None,
+        runs: Mapping[str, RunView] | None = None,
+    ) -> None:
         """Workers' results ended these tasks (or stages of these runs): wake the waits on them here, and every
-        replica's waits."""
+        replica's waits. `tasks`, `runs`: those ended, as the results' commit read them back, for the waits
+        to answer with (`ended_task`, `ended_run`)."""
+        for task_id, task in (tasks or {}).items():
+            if task_id in self._task_waits:
+                self._ended_tasks[task_id] = task
+        for run_id, view in (runs or {}).items():
+            if run_id in self._task_waits:
+                self._ended_runs[run_id] = view
         for task_id in task_ids:
             for event in self._task_waits.get(task_id, ()):
                 event.set()
         if self.bus is not None:
             self.bus.publish("tasks")
+
+    def ended_task(self, task_id: str, scope: str | None) -> Task | None:
+        """The task as the result's commit that ended it left it, for a wait on it in tenant `scope` (None:
+        every tenant); None when there is none to give (read it)."""
+        task = self._ended_tasks.get(task_id)
+        return task if task is not None and scope in (None, task.tenant) else None
+
+    def ended_run(self, run_id: str, scope: str | None) -> RunView | None:
+        """`ended_task` for a pipeline run: the run and its task per stage."""
+        view = self._ended_runs.get(run_id)
+        return view if view is not None and scope in (None, view[0].tenant) else None
 
     def worker_signal(self, worker_id: str) -> Signal:
         signal = self._worker_signals.get(worker_id)

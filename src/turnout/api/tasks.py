@@ -102,10 +102,13 @@ def router(service: Service, guards: Guards) -> TaskRoutes:
         task_id: str, wait: float = Query(0, ge=0, le=3600), p: Principal = need(Action.READ)
     ) -> FastJSON:
         deadline = time.monotonic() + wait
-        while True:
-            with service.watch_tasks([task_id]) as ended:
+        with service.watch_tasks([task_id]) as ended:
+            while True:
+                ended.clear()
                 signal = service.tasks_changed.current()
-                task = await service.read(ctrl.get_task, p.scope, task_id)
+                task = service.ended_task(task_id, p.scope)
+                if task is None:
+                    task = await service.read(ctrl.get_task, p.scope, task_id)
                 left = deadline - time.monotonic()
                 if task.state.terminal or left <= 0:
                     return FastJSON(task_out(task))
