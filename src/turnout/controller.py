@@ -656,6 +656,8 @@ class Controller:
         ended: list[Task] = []
         left = list(completions)
         chains.reports = {c.task_id: c for c in completions}
+        if named := [c.chain for c in completions if c.chain]:  # one look for every chained id of the report
+            chains.taken = {t.id for t in self.store.get_tasks(named)}
         while left:
             chained_before = len(chains.accepted)
             done, left = self._settle_round(worker_id, left, chains, ended)

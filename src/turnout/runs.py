@@ -68,6 +68,7 @@ class Chains:
     accepted: list[str] = field(default_factory=list)  # created, leased to that worker
     reports: dict[str, Completion] = field(default_factory=dict)  # every result of the report, by task id
     settled: set[str] = field(default_factory=set)  # accepted ones created already ended, with their result
+    taken: set[str] = field(default_factory=set)  # of the ids the report's results name as chained, those in use
 
     def claim(self, task: Task, result: Completion, values: Mapping[str, Any]) -> None:
         """Note the stage `result` says its worker started after `task` (which `values` end) as it succeeded."""
@@ -240,15 +241,17 @@ class PipelineRuns:
                 values["output"] = started[-1].output
         if not values or not self.store.update_run(run.id, len(run.task_ids), values):
             return False  # nothing to do, or someone else moved it on
+        claimed = set(chains.claimed.values()) if chains else set()
+        if chains is not None and (ran_on := [t for t in new if t.id in claimed]):
+            self.ctrl.store.insert_tasks(ran_on)  # one insert for the stages a report ran back to back
+            for t in ran_on:
+                chains.accepted.append(t.id)
+                chains.created[t.id] = t
+                if t.state.terminal:
+                    chains.settled.add(t.id)
         for t in new:
-            if chains is None or t.id not in set(chains.claimed.values()):
+            if t.id not in claimed:
                 self._queue(t)
-                continue
-            self.ctrl.store.insert_tasks([t])
-            chains.accepted.append(t.id)
-            chains.created[t.id] = t
-            if t.state.terminal:
-                chains.settled.add(t.id)
         return True
 
     def _chain_of(self, task: Task, parent: Task, chains: Chains, now: float) -> Task | None:
@@ -256,6 +259,8 @@ class PipelineRuns:
         child = chains.claimed.get(parent.id)
         if child is None:
             return None
+        if child in chains.taken:
+            return None  # the id is taken (never by chance: 48 random bits per millisecond)
         since = min(now, max(parent.created_at, chains.started_at.get(child, now)))
         return self._chained(task, parent, child, since)
 
@@ -300,8 +305,6 @@ class PipelineRuns:
         worker = self.ctrl._fleet().get(parent.worker_id or "")
         if worker is None or worker.state is not WorkerState.HEALTHY or not TASK_ID.match(child_id):
             return None
-        if self.ctrl.store.get_tasks([child_id]):
-            return None  # the id is taken (never by chance: 48 random bits per millisecond)
         cpu_res = placement.needs(worker.offers(task.spec.capability).get(Device.CPU), task)
         if cpu_res is None:
             return None

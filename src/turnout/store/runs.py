@@ -6,6 +6,7 @@ caller's `group()` transaction when there is one, so a stage's result and the ne
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +22,17 @@ from turnout.store.sql import SqlStore
 
 R = schema.pipeline_runs
 P = schema.profiles
+# hot statements, built once (as in sql.py): a chained report reads and moves its run in the same commit
+_GET_RUN = sa.select(R).where(R.c.id == sa.bindparam("id"))
+_GET_RUNS = sa.select(R).where(R.c.id.in_(sa.bindparam("ids", expanding=True)))
+_RUN_TASK_IDS = sa.select(R.c.task_ids).where(R.c.id == sa.bindparam("id"))
+
+
+@functools.lru_cache(maxsize=64)
+def _run_update(keys: tuple[str, ...]) -> sa.Update:
+    """UPDATE pipeline_runs SET <keys> WHERE id = :_id AND state = 'running', built once per shape."""
+    query = R.update().where(R.c.id == sa.bindparam("_id"), R.c.state == RunState.RUNNING.value)
+    return query.values({k: sa.bindparam(f"v_{k}", type_=R.c[k].type) for k in keys})
 
 
 class RunStore:
@@ -31,18 +43,18 @@ class RunStore:
 
     def insert_run(self, run: PipelineRun) -> None:
         with self.store._write() as conn:
-            conn.execute(R.insert().values(**_run_row(run)))
+            conn.execute(R.insert(), [_run_row(run)])
 
     def get_run(self, run_id: str) -> PipelineRun | None:
         with self.store._read() as conn:
-            row = conn.execute(sa.select(R).where(R.c.id == run_id)).first()
+            row = conn.execute(_GET_RUN, {"id": run_id}).first()
         return _run(row) if row else None
 
     def get_runs(self, run_ids: Sequence[str]) -> list[PipelineRun]:
         if not run_ids:
             return []
         with self.store._read() as conn:
-            return [_run(r) for r in conn.execute(sa.select(R).where(R.c.id.in_(list(run_ids))))]
+            return [_run(r) for r in conn.execute(_GET_RUNS, {"ids": list(run_ids)})]
 
     def list_runs(self, *, tenant: str | None, state: str | None = None, limit: int = 50,
                   cursor: str | None = None) -> list[PipelineRun]:  # fmt: skip
@@ -68,11 +80,11 @@ class RunStore:
         if "task_ids" in values:
             values["task_ids"] = list(values["task_ids"])
         with self.store._write() as conn:
-            query = R.update().where(R.c.id == run_id, R.c.state == RunState.RUNNING.value)
-            row = conn.execute(sa.select(R.c.task_ids).where(R.c.id == run_id)).first()
+            row = conn.execute(_RUN_TASK_IDS, {"id": run_id}).first()
             if row is None or len(row[0] or []) != expect_tasks:
                 return False
-            return bool(conn.execute(query.values(**values)).rowcount)
+            params = {"_id": run_id, **{f"v_{k}": v for k, v in values.items()}}
+            return bool(conn.execute(_run_update(tuple(values)), params).rowcount)
 
     def cost_by_tenant(self) -> list[tuple[str, str, float]]:
         """(capability, tenant, summed cost_usd) over every priced task: one grouped scan."""
