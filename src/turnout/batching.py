@@ -12,10 +12,9 @@ request; no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from turnout.gpu.allocation import GpuGrant
-from turnout.models import Device, Task, Variant
+from turnout.models import Allocation, Device, Task, Variant
 
 
 @dataclass
@@ -66,14 +65,12 @@ class BatchBook:
         self.open[(task.tenant, task.spec.capability)] = batch
         return batch
 
-    def rider_alloc(self, batch: OpenBatch) -> dict[str, Any]:
+    def rider_alloc(self, batch: OpenBatch) -> Allocation:
         """A rider holds nothing of its own; it pays its leader's GPU share for its own seconds. The leader's
         attempt (once leased) names the batch's one GPU allocation in the audit log."""
-        alloc: dict[str, Any] = {"cpu": 0.0, "memory": 0, "batch": batch.leader.id,
-                                 "batch_attempt": batch.leader.attempts + 1}  # fmt: skip
-        if batch.gpu_share is not None:
-            alloc["gpu_share"] = batch.gpu_share
-        return alloc
+        return Allocation(
+            gpu_share=batch.gpu_share, batch=batch.leader.id, batch_attempt=batch.leader.attempts + 1
+        )
 
     def waiting(self, now: float) -> list[OpenBatch]:
         """Batches still short of full whose wait is not over: not leased this time."""

@@ -24,9 +24,11 @@ from turnout.files import refs_in
 from turnout.gpu.allocation import GpuGrant
 from turnout.models import (
     ACTIVE_STATES,
+    Allocation,
     Completion,
     Device,
     Lease,
+    Routing,
     Task,
     TaskSpec,
     TaskState,
@@ -62,7 +64,6 @@ RUNNING_AFTER_S = 0.5  # a leased task the worker reports as running is marked s
 # longer) never reached it: its answer was lost. Longer than any lease round trip.
 UNDELIVERED_AFTER_S = 3.0
 UNDELIVERED_FREE = 5  # lost lease answers a task may have before they count against its max_retries
-KEPT_ROUTING = ("avoid_gpus", "last_error", "undelivered")  # routing history a new lease carries on
 # what the audit log records (GET /v1/audit?kind=): append-only, one row per event
 AUDIT_KINDS = frozenset({
     "gpu_allocated", "gpu_released", "gpu_scrubbed", "token_created", "token_revoked", "task_cancelled",
@@ -509,7 +510,7 @@ class Controller:
             return None
         held: dict[str, float] = {}
         for t in mine:
-            held[t.tenant] = held.get(t.tenant, 0.0) + float((t.alloc or {}).get("cpu", 0))
+            held[t.tenant] = held.get(t.tenant, 0.0) + (t.alloc.cpu if t.alloc else 0.0)
         queued = self.store.queued_tenants()  # fresh: who may take decides whether the queue is read at all
         return reservations(self.settings.tenant_limits, worker.cpu, held, queued, self._recent.within(now))
 
@@ -523,8 +524,8 @@ class Controller:
         """
         updates: list[Change] = []
         for t in tasks:
-            routing = {**(t.routing or {}), "undelivered": _undelivered(t) + 1}
-            if t.attempts - min(routing["undelivered"], UNDELIVERED_FREE) > t.spec.max_retries:
+            routing = replace(t.routing or Routing(), undelivered=_undelivered(t) + 1)
+            if t.attempts - min(routing.undelivered, UNDELIVERED_FREE) > t.spec.max_retries:
                 error = {"type": "worker_lost", "message": "its leases never reached a worker"}
                 values: dict[str, Any] = {"state": TaskState.FAILED, "error": error, "finished_at": now,
                                           "routing": routing}  # fmt: skip
@@ -774,18 +775,16 @@ class Controller:
         price = self.settings.prices.per_second(task.device.value, task.gpu_model)
         if price is None:
             return None
-        share = float((task.alloc or {}).get("gpu_share", 1.0)) if task.device is Device.GPU else 1.0
+        share = _gpu_share(task) if task.device is Device.GPU else 1.0
         return round(run_s * price * share, 8)
 
     def _requeue(self, items: Sequence[tuple[Task, dict[str, Any]]], now: float) -> list[str]:
         updates = []
         for t, error in items:
-            routing = dict(t.routing or {})
+            routing = replace(t.routing or Routing(), last_error=error)
             if error.get("type") in AVOID_GPU_ERRORS and t.gpus:
                 # never blindly the same GPU again: another one (whose free memory is its own), or the CPU
-                grant = GpuGrant.from_dict(t.gpus)
-                routing["avoid_gpus"] = sorted(set(routing.get("avoid_gpus", [])) | set(grant.uuids))
-            routing["last_error"] = error
+                routing = replace(routing, avoid_gpus=tuple(sorted({*routing.avoid_gpus, *t.gpus.uuids})))
             values = {"state": TaskState.QUEUED, "worker_id": None, "device": None, "gpus": None, "gpu_model": None,
                       "queued_at": now, "routing": routing, "alloc": None}  # fmt: skip
             updates.append((t.id, ACTIVE, t.attempts, values))
@@ -938,39 +937,39 @@ class Controller:
         self.store.append_audit(
             [(now, "gpu_allocated", lease.task.tenant,
               {"task": lease.task.id, "attempt": lease.task.attempts, "worker": worker_id,
-               "gpus": list((lease.grant or {}).get("uuids", [])),
-               "memory_bytes": (lease.grant or {}).get("memory_bytes"), "start": now}) for lease in leases]
+               "gpus": list(lease.grant.uuids) if lease.grant else [],
+               "memory_bytes": lease.grant.memory_bytes if lease.grant else None, "start": now})
+             for lease in leases]
         )  # fmt: skip
 
     def _audit_releases(self, tasks: Sequence[Task], now: float) -> None:
         """One `gpu_released` per attempt that held GPUs, by whichever change ended it (its conditional update
         won): `tasks` are those one change ended. A batch holds its leader's one grant (batching.py) until
         its last task ends, whichever that is: the record names the leader's allocation (task and attempt)."""
-        held: list[tuple[Task, str, int]] = []  # (a task that ended, the allocation's task id and attempt)
-        batches: dict[str, Task] = {}
+        # (a task that ended, the grant it held, the allocation's task id and attempt)
+        held: list[tuple[Task, GpuGrant, str, int]] = []
+        batches: dict[str, tuple[Task, GpuGrant]] = {}
         for t in tasks:
             batch = placement.batch_of(t)
             if not t.gpus:
                 continue
             if batch is None:
-                held.append((t, t.id, t.attempts))
+                held.append((t, t.gpus, t.id, t.attempts))
             else:
-                batches.setdefault(batch, t)
+                batches.setdefault(batch, (t, t.gpus))
         if batches:
             ended = {t.id for t in tasks}
-            workers = sorted({t.worker_id for t in batches.values() if t.worker_id})
+            workers = sorted({t.worker_id for t, _ in batches.values() if t.worker_id})
             riding = {placement.batch_of(t) for t in self.store.active_tasks(workers) if t.id not in ended}
-            for batch, t in batches.items():
+            for batch, (t, grant) in batches.items():
                 if batch not in riding:  # nothing of the batch runs on: its grant is free
-                    attempt = (
-                        t.attempts if batch == t.id else int((t.alloc or {}).get("batch_attempt", t.attempts))
-                    )
-                    held.append((t, batch, attempt))
-        for t, task_id, attempt in held:
+                    rode = t.alloc.batch_attempt if t.alloc else None
+                    attempt = t.attempts if batch == t.id or rode is None else rode
+                    held.append((t, grant, batch, attempt))
+        for t, grant, task_id, attempt in held:
             start = t.leased_at  # a batch's tasks were leased together
             self.audit("gpu_released", t.tenant, {"task": task_id, "attempt": attempt, "worker": t.worker_id,
-                                                  "gpus": list((t.gpus or {}).get("uuids", [])),
-                                                  "memory_bytes": (t.gpus or {}).get("memory_bytes"),
+                                                  "gpus": list(grant.uuids), "memory_bytes": grant.memory_bytes,
                                                   "start": start, "end": now,
                                                   "seconds": round(now - start, 6) if start else None})  # fmt: skip
 
@@ -1067,7 +1066,13 @@ def _already_committed(task: Task, worker_id: str, c: Completion) -> bool:
 
 def _undelivered(task: Task) -> int:
     """How many of the task's leases never reached their worker (their answer was lost)."""
-    return int((task.routing or {}).get("undelivered", 0))
+    return task.routing.undelivered if task.routing else 0
+
+
+def _gpu_share(task: Task) -> float:
+    """The share of its GPU a task holds (a whole one unless it said otherwise)."""
+    share = task.alloc.gpu_share if task.alloc else None
+    return 1.0 if share is None else share
 
 
 def _charged(task: Task) -> int:
@@ -1085,18 +1090,15 @@ def _leased(task: Task, where: placement.Placement, worker_id: str, now: float,
             book: BatchBook) -> tuple[Change, Lease]:  # fmt: skip
     """The row change that leases `task` as placed, and what the worker receives for it."""
     gpus = where.gpus()
-    kept = {k: v for k, v in (task.routing or {}).items() if k in KEPT_ROUTING}
-    routing = {**kept, "requested": task.spec.gpu.value, "device": where.device.value, "reason": where.reason}
+    kept = task.routing.carried() if task.routing else Routing()
+    routing = replace(kept, requested=task.spec.gpu.value, device=where.device.value, reason=where.reason)
     if where.riding is not None:
-        alloc = book.rider_alloc(where.riding)
+        alloc: Allocation = book.rider_alloc(where.riding)
         lease_batch: str | None = where.riding.leader.id
     else:
-        alloc = {"cpu": where.resources.cpu, "memory": where.resources.memory_bytes}
-        if where.grant is not None:
-            alloc["gpu_share"] = where.gpu_share
         lease_batch = task.id if where.batch is placement.BatchRole.LEADER else None
-        if lease_batch is not None:
-            alloc["batch"] = task.id
+        alloc = Allocation(cpu=where.resources.cpu, memory=where.resources.memory_bytes,
+                           gpu_share=where.gpu_share if where.grant is not None else None, batch=lease_batch)  # fmt: skip
     values = {"state": TaskState.LEASED, "worker_id": worker_id, "device": where.device, "gpus": gpus,
               "gpu_model": where.grant.model if where.grant else None, "routing": routing, "leased_at": now,
               "attempts": task.attempts + 1, "unservable_since": None, "alloc": alloc}  # fmt: skip

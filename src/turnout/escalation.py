@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from turnout.errors import InvalidInput
-from turnout.models import Completion, Device, GpuMode, Task, TaskState, check_capability_name
+from turnout.models import Completion, Device, GpuMode, Routing, Task, TaskState, check_capability_name
 
 if TYPE_CHECKING:
     from turnout.api.service import Service
@@ -185,9 +185,9 @@ def claim(ctrl: Controller, now: float, limit: int = 50) -> list[Task]:
         if ctrl.gpu_allocations.wait_s(tenant, n + 1) > 0:
             continue
         planned[tenant] = n + 1
-        routing = {"requested": task.spec.gpu.value, "device": f"cloud:{endpoint.name}", "cloud": endpoint.name,
-                   "reason": f"no local capacity for {waited:.0f} s (escalation.after_s {settings.after_s:g}); "
-                             f"sent to {endpoint.kind} endpoint {endpoint.name}"}  # fmt: skip
+        routing = Routing(requested=task.spec.gpu.value, device=f"cloud:{endpoint.name}", cloud=endpoint.name,
+                          reason=f"no local capacity for {waited:.0f} s (escalation.after_s {settings.after_s:g}); "
+                                 f"sent to {endpoint.kind} endpoint {endpoint.name}")  # fmt: skip
         values = {"state": TaskState.LEASED, "worker_id": f"cloud:{endpoint.name}", "device": Device.GPU,
                   "gpus": None, "gpu_model": None, "routing": routing, "leased_at": now,
                   "attempts": task.attempts + 1, "unservable_since": None, "alloc": None}  # fmt: skip
@@ -211,7 +211,7 @@ def record_job(ctrl: Controller, task_id: str, attempt: int, job_id: str) -> boo
     task = ctrl.store.get_task(task_id)
     if task is None or task.attempts != attempt:
         return False
-    routing = {**(task.routing or {}), "cloud_job": job_id}
+    routing = replace(task.routing or Routing(), cloud_job=job_id)
     return bool(ctrl.store.update_tasks([(task_id, (TaskState.LEASED, TaskState.RUNNING), attempt,
                                           {"state": TaskState.RUNNING, "started_at": ctrl.clock(), "routing": routing})]))  # fmt: skip
 
@@ -291,7 +291,7 @@ class Escalator:
 
     async def _job(self, task: Task) -> None:
         settings = self.ctrl.settings.escalation
-        name = (task.routing or {}).get("cloud", "")
+        name = (task.routing.cloud if task.routing else None) or ""
         endpoint = settings.by_name(name) if settings else None
         attempt = task.attempts
         if endpoint is None:
@@ -325,7 +325,7 @@ class Escalator:
         return resp
 
     async def _runpod(self, endpoint: Endpoint, task: Task, attempt: int) -> None:
-        job_id = (task.routing or {}).get("cloud_job")
+        job_id = task.routing.cloud_job if task.routing else None
         sent_at = time.monotonic()
         while job_id is None:
             if not await self.service.read(still_held, self.ctrl, task.id, attempt):
@@ -419,7 +419,7 @@ class Escalator:
     async def _finish(self, task: Task, attempt: int, ok: bool, output: Any, error: dict[str, Any] | None,
                       run_s: float | None) -> None:  # fmt: skip
         completion = Completion(task.id, attempt, ok, output, error, run_s)
-        worker = task.worker_id or f"cloud:{(task.routing or {}).get('cloud', '')}"
+        worker = task.worker_id or f"cloud:{(task.routing.cloud if task.routing else None) or ''}"
         accepted, _, _ = await self.service.call(
             lambda: (*self.ctrl.complete(worker, [completion]), self.ctrl.runs.take_queued())
         )

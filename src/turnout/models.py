@@ -10,10 +10,12 @@ import enum
 import re
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from turnout.errors import InvalidInput
+from turnout.gpu.allocation import GpuGrant
 from turnout.resources import Resources
 
 CAPABILITY_NAME = re.compile(r"^[a-z][a-z0-9_.-]{0,63}$")
@@ -138,6 +140,74 @@ class TaskSpec:
 
 
 @dataclass(frozen=True)
+class Routing:
+    """Where a task's last lease sent it and why, and what a new lease carries on (`carried`): the GPUs to
+    avoid, the last error, the leases that never reached a worker. An escalated task also names its endpoint
+    and the job there. Stored as a JSON object of the keys that are set (`to_dict`), decoded once per row."""
+
+    requested: str | None = None  # the task's `gpu` mode when it was routed
+    device: str | None = None  # cpu, gpu, or cloud:NAME
+    reason: str | None = None
+    avoid_gpus: tuple[str, ...] = ()
+    last_error: dict[str, Any] | None = None
+    undelivered: int = 0  # leases whose answer never reached the worker (they do not count as retries)
+    cloud: str | None = None  # the escalation endpoint that runs it
+    cloud_job: str | None = None  # its job id there
+
+    def carried(self) -> Routing:
+        """The history a new lease keeps; the rest is that lease's own."""
+        return Routing(avoid_gpus=self.avoid_gpus, last_error=self.last_error, undelivered=self.undelivered)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in ("requested", "device", "reason", "last_error", "cloud", "cloud_job"):
+            if (value := getattr(self, name)) is not None:
+                out[name] = value
+        if self.avoid_gpus:
+            out["avoid_gpus"] = list(self.avoid_gpus)
+        if self.undelivered:
+            out["undelivered"] = self.undelivered
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> Routing | None:
+        if d is None:
+            return None
+        return cls(requested=d.get("requested"), device=d.get("device"), reason=d.get("reason"),
+                   avoid_gpus=tuple(d.get("avoid_gpus") or ()), last_error=d.get("last_error"),
+                   undelivered=int(d.get("undelivered") or 0), cloud=d.get("cloud"), cloud_job=d.get("cloud_job"))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """What a leased or running task holds on its worker. A batch's rider holds no CPU or memory of its own
+    (its leader's process runs it): it names the batch (its leader's id) and the leader's attempt, whose GPU
+    allocation it shares."""
+
+    cpu: float = 0.0
+    memory: int = 0
+    gpu_share: float | None = None  # of the GPU it holds; None without a GPU
+    batch: str | None = None  # the batch it is in, leader or rider
+    batch_attempt: int | None = None  # a rider's: its leader's attempt
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"cpu": self.cpu, "memory": self.memory}
+        for name in ("gpu_share", "batch", "batch_attempt"):
+            if (value := getattr(self, name)) is not None:
+                out[name] = value
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> Allocation | None:
+        if d is None:
+            return None
+        share, attempt = d.get("gpu_share"), d.get("batch_attempt")
+        return cls(cpu=float(d.get("cpu") or 0), memory=int(d.get("memory") or 0),
+                   gpu_share=None if share is None else float(share), batch=d.get("batch"),
+                   batch_attempt=None if attempt is None else int(attempt))  # fmt: skip
+
+
+@dataclass(frozen=True)
 class Task:
     """A task as stored. Times are epoch seconds (UTC); the API renders them as ISO 8601."""
 
@@ -151,9 +221,9 @@ class Task:
     error: dict[str, Any] | None = None
     worker_id: str | None = None
     device: Device | None = None
-    gpus: dict[str, Any] | None = None  # the GpuGrant while it runs, kept after for the record
+    gpus: GpuGrant | None = None  # held while it runs, kept after for the record
     gpu_model: str | None = None
-    routing: dict[str, Any] | None = None
+    routing: Routing | None = None
     queued_at: float | None = None
     leased_at: float | None = None
     started_at: float | None = None
@@ -164,7 +234,7 @@ class Task:
     usage: dict[str, Any] | None = None  # what it used: peak_rss_bytes, peak_gpu_memory_bytes, batch_size
     unservable_since: float | None = None
     pipeline_run_id: str | None = None
-    alloc: dict[str, Any] | None = None  # CPU, memory and GPU share held while leased or running
+    alloc: Allocation | None = None  # CPU, memory and GPU share held while leased or running
     # what held and confined its processes, as its worker reported: containment keys (worker/containment.py)
     # and, for a sandboxed command, the sandbox's (worker/sandbox.py)
     isolation: dict[str, Any] | None = None
@@ -198,7 +268,7 @@ class Lease:
     task: Task
     device: Device
     resources: Resources
-    grant: dict[str, Any] | None
+    grant: GpuGrant | None
     batch: str | None = None  # the leader's task id, for every task leased in a batch (batching.py)
     chain: tuple[ChainStep, ...] = ()  # the pipeline stages after this one that may run right after it, here
 

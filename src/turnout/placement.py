@@ -75,9 +75,9 @@ def devices_from_dicts(gpus: Iterable[dict[str, Any]]) -> list[GpuDevice]:
 def room_of(worker: Worker, active: Sequence[Task]) -> Room:
     """What a worker has free: its capacity less what its leased and running tasks hold."""
     units = units_of(devices_from_dicts(worker.gpus), frozenset(worker.quarantined))
-    grants = [(GpuGrant.from_dict(t.gpus), workload(t), t.tenant) for t in grant_holders(active) if t.gpus]
-    cpu = worker.cpu - sum(float((t.alloc or {}).get("cpu", 0)) for t in active)
-    memory = worker.memory_bytes - sum(int((t.alloc or {}).get("memory", 0)) for t in active)
+    grants = [(t.gpus, workload(t), t.tenant) for t in grant_holders(active) if t.gpus]
+    cpu = worker.cpu - sum(t.alloc.cpu for t in active if t.alloc)
+    memory = worker.memory_bytes - sum(t.alloc.memory for t in active if t.alloc)
     return Room(cpu, memory, units, usage_from_grants(grants), strategy_of(worker.strategy))
 
 
@@ -135,7 +135,7 @@ class Fleet:
 
     def best(self, res: Resources, task: Task) -> str | None:
         """The worker the policy picks for this task now (None: none can host it now)."""
-        if (task.routing or {}).get("avoid_gpus"):
+        if task.routing and task.routing.avoid_gpus:
             return None  # an OOM retry goes wherever it fits; the policy does not know about avoided GPUs
         request = GpuRequest.from_resources(res, workload(task), task.tenant)
         if self.index is None:
@@ -172,8 +172,7 @@ def grant_holders(active: Sequence[Task]) -> list[Task]:
 
 def batch_of(task: Task) -> str | None:
     """The leader's id of the batch the task was leased in (its own id for a leader); None outside a batch."""
-    batch = (task.alloc or {}).get("batch")
-    return str(batch) if batch is not None else None
+    return task.alloc.batch if task.alloc else None
 
 
 def needs(variant: Variant | None, task: Task) -> Resources | None:
@@ -191,13 +190,13 @@ def view_key(task: Task) -> tuple[str, str, str]:
     return (
         task.spec.capability,
         repr(task.spec.resources),
-        ",".join((task.routing or {}).get("avoid_gpus", ())),
+        ",".join(task.routing.avoid_gpus if task.routing else ()),
     )
 
 
 def usable(units: Sequence[GpuUnit], task: Task) -> Sequence[GpuUnit]:
     """Units this task may use: not the GPUs it already ran out of memory on."""
-    avoid = set((task.routing or {}).get("avoid_gpus", ()))
+    avoid = set(task.routing.avoid_gpus if task.routing else ())
     return [u for u in units if u.uuid not in avoid and u.parent_uuid not in avoid] if avoid else units
 
 
@@ -331,11 +330,11 @@ class Placement:
     batch: BatchRole = BatchRole.SOLO
     riding: OpenBatch | None = None  # a rider's batch
 
-    def gpus(self) -> dict[str, Any] | None:
-        """The grant as the task row and the worker carry it."""
+    def gpus(self) -> GpuGrant | None:
+        """The grant as the task row and the worker carry it: with its unit's whole memory."""
         if self.grant is None:
             return None
-        return {**self.grant.to_dict(), "unit_memory_bytes": self.unit_memory_bytes}
+        return replace(self.grant, unit_memory_bytes=self.unit_memory_bytes)
 
 
 def place(task: Task, worker: Worker, room: Room, facts: Facts, *, now: float,
@@ -394,8 +393,8 @@ def place(task: Task, worker: Worker, room: Room, facts: Facts, *, now: float,
     reason = decision.reason
     if no_gpu is not None and decision.device is Device.CPU:
         reason = f"{no_gpu}; {reason}"
-    last_error = (task.routing or {}).get("last_error") or {}
-    avoided = (task.routing or {}).get("avoid_gpus") or []  # none: the OOM came from a CPU run
+    last_error = (task.routing.last_error if task.routing else None) or {}
+    avoided = task.routing.avoid_gpus if task.routing else ()  # none: the OOM came from a CPU run
     if last_error.get("type") == "gpu_oom" and decision.device is Device.CPU and avoided:
         reason = f"gpu out of memory on {', '.join(avoided)}; {reason}"
     res = gpu_res if decision.device is Device.GPU else cpu_res

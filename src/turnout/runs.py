@@ -27,11 +27,13 @@ from turnout import placement
 from turnout.errors import Conflict, InvalidInput, NotFound
 from turnout.models import (
     TASK_ID,
+    Allocation,
     ChainStep,
     Completion,
     Device,
     GpuMode,
     Lease,
+    Routing,
     Task,
     TaskSpec,
     TaskState,
@@ -68,7 +70,9 @@ class Chains:
     accepted: list[str] = field(default_factory=list)  # created, leased to that worker
     reports: dict[str, Completion] = field(default_factory=dict)  # every result of the report, by task id
     settled: set[str] = field(default_factory=set)  # accepted ones created already ended, with their result
-    taken: set[str] = field(default_factory=set)  # of the ids the report's results name as chained, those in use
+    taken: set[str] = field(
+        default_factory=set
+    )  # of the ids the report's results name as chained, those in use
 
     def claim(self, task: Task, result: Completion, values: Mapping[str, Any]) -> None:
         """Note the stage `result` says its worker started after `task` (which `values` end) as it succeeded."""
@@ -312,11 +316,11 @@ class PipelineRuns:
         decided = self._route(task, placement.fits(room, cpu_res), self._healthy())
         if decided is None:
             return None
-        routing = {"requested": task.spec.gpu.value, "device": Device.CPU.value,
-                   "reason": f"chained after stage {_stage_index(parent)} on {worker.id}; {decided.reason}"}  # fmt: skip
+        routing = Routing(requested=task.spec.gpu.value, device=Device.CPU.value,
+                          reason=f"chained after stage {_stage_index(parent)} on {worker.id}; {decided.reason}")  # fmt: skip
         return replace(task, id=child_id, state=TaskState.LEASED, worker_id=worker.id, device=Device.CPU,
                        routing=routing, created_at=since, queued_at=since, leased_at=since, attempts=1,
-                       alloc={"cpu": cpu_res.cpu, "memory": cpu_res.memory_bytes})  # fmt: skip
+                       alloc=Allocation(cpu=cpu_res.cpu, memory=cpu_res.memory_bytes))  # fmt: skip
 
     def _route(self, task: Task, cpu_fits: bool, healthy: Sequence[Worker]) -> Route | None:
         return chain_route(

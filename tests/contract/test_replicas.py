@@ -17,7 +17,7 @@ import pytest
 from tests.pg import fresh_database
 from turnout.config import ControllerSettings
 from turnout.controller import Controller
-from turnout.models import Device, Task, TaskSpec, TaskState, Variant, WorkerState
+from turnout.models import Device, Routing, Task, TaskSpec, TaskState, Variant, WorkerState
 from turnout.resources import parse_resources
 from turnout.store import SqlStore, open_store
 from turnout.store.replicas import DbClock, claim_sweep, refresh_statistics
@@ -263,7 +263,7 @@ def test_many_conditional_updates_in_one_call_apply_exactly_where_their_conditio
 ) -> None:
     # Given eight queued tasks, four of them already leased (attempt 1)
     any_store.insert_tasks([_queued(i) for i in range(8)])
-    lease = {"state": TaskState.LEASED, "attempts": 1, "worker_id": "w", "routing": {"device": "cpu"}}
+    lease = {"state": TaskState.LEASED, "attempts": 1, "worker_id": "w", "routing": Routing(device="cpu")}
     leased = any_store.update_tasks([(f"t_{i:06d}", (TaskState.QUEUED,), 0, lease) for i in (4, 5, 6, 7)])
     assert leased == ["t_000004", "t_000005", "t_000006", "t_000007"]
     # When one call, on eight distinct tasks, leases four (one already leased: its condition fails) and
@@ -272,7 +272,10 @@ def test_many_conditional_updates_in_one_call_apply_exactly_where_their_conditio
     done = {"state": TaskState.SUCCEEDED, "output": {"ok": True}, "cost_usd": None, "finished_at": 5.0}
     failed = {"state": TaskState.FAILED, "output": None, "cost_usd": None, "finished_at": 6.0}
     changes = [
-        *[(f"t_{i:06d}", (TaskState.QUEUED,), 0, {**lease, "routing": {"n": i}}) for i in (0, 1, 2, 5)],
+        *[
+            (f"t_{i:06d}", (TaskState.QUEUED,), 0, {**lease, "routing": Routing(undelivered=i)})
+            for i in (0, 1, 2, 5)
+        ],
         ("t_000004", (TaskState.LEASED, TaskState.RUNNING), 1, done),
         ("t_000006", (TaskState.LEASED, TaskState.RUNNING), 1, failed),
         ("t_000007", (TaskState.LEASED, TaskState.RUNNING), 0, done),
@@ -286,10 +289,10 @@ def test_many_conditional_updates_in_one_call_apply_exactly_where_their_conditio
                                        TaskState.LEASED]  # fmt: skip
     assert [tasks[f"t_{i:06d}"].state for i in range(8)] == states
     assert [tasks[f"t_{i:06d}"].routing for i in (0, 1, 2, 5)] == [
-        {"n": 0},
-        {"n": 1},
-        {"n": 2},
-        {"device": "cpu"},
+        Routing(undelivered=0),
+        Routing(undelivered=1),
+        Routing(undelivered=2),
+        Routing(device="cpu"),
     ]
     assert tasks["t_000004"].output == {"ok": True} and tasks["t_000004"].finished_at == 5.0
     assert tasks["t_000006"].finished_at == 6.0 and tasks["t_000006"].cost_usd is None

@@ -9,11 +9,13 @@ sequences every run, and a failure names its seed and step.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from turnout.errors import IdempotencyConflict
-from turnout.models import Device, GpuMode, Task, TaskSpec, TaskState
+from turnout.gpu.allocation import GpuGrant
+from turnout.models import Allocation, Device, GpuMode, Routing, Task, TaskSpec, TaskState
 from turnout.resources import parse_resources
 from turnout.store import MemoryStore, SqlStore, Store
 from turnout.store import sql as sql_backend
@@ -23,7 +25,7 @@ CAPS = ("shout", "count")
 STATES = list(TaskState)
 SEQUENCES = 20  # seeds 0..19: the same sequences every run
 STEPS = 25
-GRANT = {"uuids": ["GPU-0"], "indices": [0], "memory_bytes": 0, "exclusive": True}
+GRANT = GpuGrant(("GPU-0",), (0,), 0, True, "Fake GPU", False)
 
 
 def random_spec(rng: random.Random) -> tuple[str, TaskSpec]:
@@ -42,14 +44,14 @@ def random_spec(rng: random.Random) -> tuple[str, TaskSpec]:
 
 
 VALUES: list[dict[str, Any]] = [
-    {"state": TaskState.LEASED, "worker_id": "w1", "device": Device.GPU, "gpus": GRANT, "alloc": {"gpu_share": 0.5}},
+    {"state": TaskState.LEASED, "worker_id": "w1", "device": Device.GPU, "gpus": GRANT, "alloc": Allocation(gpu_share=0.5)},
     {"state": TaskState.LEASED, "worker_id": "cloud:x", "device": Device.GPU},  # an escalation endpoint holds it
-    {"state": TaskState.RUNNING, "started_at": 7.0, "worker_id": "w2", "alloc": {"batch": "b", "gpu_share": 0.25},
+    {"state": TaskState.RUNNING, "started_at": 7.0, "worker_id": "w2", "alloc": Allocation(batch="b", gpu_share=0.25),
      "gpus": GRANT},
-    {"state": TaskState.RUNNING, "worker_id": "w2", "alloc": {"batch": "b"}, "gpus": GRANT},  # rides on batch b
+    {"state": TaskState.RUNNING, "worker_id": "w2", "alloc": Allocation(batch="b"), "gpus": GRANT},  # rides on batch b
     {"state": TaskState.SUCCEEDED, "output": {"ok": [1, None]}, "run_s": 1.5, "cost_usd": 0.25},
     {"state": TaskState.FAILED, "error": {"type": "timeout"}, "run_s": 9.0},
-    {"state": TaskState.QUEUED, "worker_id": None, "gpus": None, "routing": {"last_error": {"type": "gpu_oom"}}},
+    {"state": TaskState.QUEUED, "worker_id": None, "gpus": None, "routing": Routing(last_error={"type": "gpu_oom"})},
     {"state": TaskState.CANCELLED, "finished_at": 3.0},
 ]  # fmt: skip
 
@@ -103,8 +105,9 @@ def apply(store: Store, op: tuple[Any, ...], counter: list[int]) -> Any:
         _, n, states, attempts, which, bump = op
         values = dict(VALUES[which])
         task = store.get_task(f"t_{n:06d}")
-        if "batch" in values.get("alloc", {}) and task is not None:  # a batch is one tenant's (batching.py)
-            values["alloc"] = {**values["alloc"], "batch": f"b-{task.tenant}"}
+        alloc = values.get("alloc")
+        if alloc is not None and alloc.batch is not None and task is not None:  # a batch is one tenant's
+            values["alloc"] = replace(alloc, batch=f"b-{task.tenant}")
         if bump:
             values["attempts"] = (attempts or 0) + 1
         return store.update_tasks([(f"t_{n:06d}", states, attempts, values)])

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tests.contract.test_store import _task
-from turnout.models import Device, GpuMode, Task, TaskSpec, TaskState
+from turnout.gpu.allocation import GpuGrant
+from turnout.models import Allocation, Device, GpuMode, Routing, Task, TaskSpec, TaskState
 from turnout.store import Store
 
 NO_CAPACITY = {"type": "no_capacity", "message": "nobody can"}
@@ -135,34 +136,42 @@ def test_the_placement_clock_starts_fails_the_kind_when_due_and_clears_when_serv
 def test_json_columns_keep_none_apart_from_empty_and_read_back_as_written(store: Store) -> None:
     task = replace(_task(1), spec=replace(_task(1).spec, input=None, labels={}), output=None)
     store.insert_tasks([task])
-    routing = {
-        "requested": "auto",
-        "device": "cpu",
-        "avoid_gpus": ["GPU-1"],
-        "n": 1.5,
-        "deep": {"x": [1, None]},
-    }
-    store.update_tasks(
-        [("t_000001", (TaskState.QUEUED,), 0, {"routing": routing, "gpus": None, "usage": {}})]
-    )
+    routing = Routing(requested="auto", device="cpu", avoid_gpus=("GPU-1",), undelivered=2)
+    isolation = {"n": 1.5, "deep": {"x": [1, None]}, "empty": {}}
+    values = {"routing": routing, "gpus": None, "usage": {}, "isolation": isolation}
+    store.update_tasks([("t_000001", (TaskState.QUEUED,), 0, values)])
     back = store.get_task("t_000001")
     assert back is not None
-    assert (back.spec.input, back.spec.labels, back.routing, back.gpus, back.usage) == (
+    assert (back.spec.input, back.spec.labels, back.routing, back.gpus, back.usage, back.isolation) == (
         None,
         {},
         routing,
         None,
         {},
+        isolation,
     )
     assert store.queued_unusual()[0].id == "t_000001"  # routing set: judged alone
 
 
+def test_typed_records_read_back_as_written(store: Store) -> None:
+    grant = GpuGrant(("GPU-a", "GPU-b"), (0, 1), 4 * 2**30, False, "Fake GPU", False, 24 * 2**30)
+    alloc = Allocation(cpu=1.5, memory=2**30, gpu_share=0.25, batch="t_000001")
+    cloud = Routing(cloud="rp", cloud_job="j1")
+    store.insert_tasks([replace(_task(1), gpus=grant, alloc=alloc, routing=cloud)])
+    back = store.get_task("t_000001")
+    assert back is not None and (back.gpus, back.alloc, back.routing) == (grant, alloc, cloud)
+    values = {"gpus": None, "alloc": Allocation(), "routing": None}
+    store.update_tasks([("t_000001", (TaskState.QUEUED,), 0, values)])
+    again = store.get_task("t_000001")
+    assert again is not None and (again.gpus, again.alloc, again.routing) == (None, Allocation(), None)
+
+
 def test_a_record_read_is_a_copy_changing_it_changes_nothing_stored(store: Store) -> None:
     store.insert_tasks([_task(1)])
-    store.update_tasks([("t_000001", (TaskState.QUEUED,), 0, {"routing": {"avoid_gpus": ["a"]}})])
+    store.update_tasks([("t_000001", (TaskState.QUEUED,), 0, {"isolation": {"keys": ["a"]}})])
     first = store.get_task("t_000001")
-    assert first is not None and first.routing is not None
-    first.routing["avoid_gpus"].append("b")
+    assert first is not None and first.isolation is not None
+    first.isolation["keys"].append("b")
     first.spec.input["n"] = 99
     again = store.get_task("t_000001")
-    assert again is not None and again.routing == {"avoid_gpus": ["a"]} and again.spec.input == {"n": 1}
+    assert again is not None and again.isolation == {"keys": ["a"]} and again.spec.input == {"n": 1}

@@ -29,7 +29,7 @@ import pytest
 
 from tests.inprocess.harness import HEARTBEAT_S, SHOUT_CPU, SHOUT_GPU, Harness
 from turnout.controller import UNDELIVERED_AFTER_S
-from turnout.models import GpuMode, TaskState
+from turnout.models import GpuMode, Routing, TaskState
 from turnout.store import open_store
 
 LEASE_S = 3 * HEARTBEAT_S  # a worker silent this long is unhealthy and its leases expire
@@ -128,7 +128,7 @@ def test_a_task_nobody_can_serve_fails_no_capacity_after_its_placement_timeout(h
     assert h.state(t) is TaskState.QUEUED
     h.clock.advance(1.0)
     assert h.ctrl.reap()
-    assert (h.state(t), h.task(t).error["type"]) == (TaskState.FAILED, "no_capacity")  # type: ignore[index]
+    assert (h.state(t), h.task(t).error["type"]) == (TaskState.FAILED, "no_capacity")  # type: ignore[union-attr]
 
 
 CANCEL: dict[str, Callable[[Harness, str, str], None]] = {
@@ -154,7 +154,7 @@ def test_a_task_past_its_timeout_fails_and_its_gpu_is_released(h: Harness) -> No
     w = h.worker(variants=[SHOUT_GPU], gpus=1)
     t = h.submit(gpu=GpuMode.REQUIRE, timeout_s=10.0)
     [lease] = h.lease(w)
-    assert lease.grant is not None and lease.grant["uuids"] == ["GPU-w-0"]
+    assert lease.grant is not None and lease.grant.uuids == ("GPU-w-0",)
     h.clock.advance(1.0)
     h.lease(w, running=[t])
     h.silent_for(10.0 + HEARTBEAT_S, w)  # timeout_s and one heartbeat's grace: not yet past
@@ -162,7 +162,7 @@ def test_a_task_past_its_timeout_fails_and_its_gpu_is_released(h: Harness) -> No
     assert h.state(t) is TaskState.RUNNING
     h.silent_for(0.5, w)
     h.ctrl.reap()
-    assert (h.state(t), h.task(t).error["type"]) == (TaskState.FAILED, "timeout")  # type: ignore[index]
+    assert (h.state(t), h.task(t).error["type"]) == (TaskState.FAILED, "timeout")  # type: ignore[union-attr]
     [released] = h.audit("gpu_released")
     assert (released["task"], released["gpus"]) == (t, ["GPU-w-0"])
     assert h.lease(w, running=[t]).__len__() == 0  # nothing queued; and the worker is told to stop it
@@ -186,9 +186,9 @@ def test_only_retryable_failures_are_requeued_and_only_within_max_retries(
     t = h.submit(gpu=GpuMode.REQUIRE, max_retries=1)
     h.fail(w, h.lease(w)[0], error_type)
     if not RETRY[error_type]:
-        assert (h.state(t), h.task(t).error["type"]) == (TaskState.FAILED, error_type)  # type: ignore[index]
+        assert (h.state(t), h.task(t).error["type"]) == (TaskState.FAILED, error_type)  # type: ignore[union-attr]
         return
-    assert h.state(t) is TaskState.QUEUED and h.task(t).routing["last_error"]["type"] == error_type  # type: ignore[index]
+    assert h.state(t) is TaskState.QUEUED and h.task(t).routing.last_error["type"] == error_type  # type: ignore[union-attr]
     h.clock.advance(2.0)  # past the moment a GPU task waits for the policy's best worker
     h.fail(w, h.lease(w)[0], error_type)  # the second failure uses up max_retries=1
     assert (h.state(t), h.task(t).attempts) == (TaskState.FAILED, 2)
@@ -200,7 +200,7 @@ def test_a_cpu_task_that_failed_gpu_oom_is_leased_again(h: Harness) -> None:
     t = h.submit(gpu=GpuMode.NEVER, max_retries=1)
     h.fail(w, h.lease(w)[0], "gpu_oom")  # a CPU handler whose library raised a CUDA out-of-memory error
     [again] = h.lease(w)
-    assert again.task.id == t and "gpu out of memory" not in again.task.routing["reason"]
+    assert again.task.id == t and "gpu out of memory" not in again.task.routing.reason
 
 
 def test_gpu_oom_retries_on_another_gpu_not_blindly_the_same(h: Harness) -> None:
@@ -211,8 +211,8 @@ def test_gpu_oom_retries_on_another_gpu_not_blindly_the_same(h: Harness) -> None
     h.clock.advance(2.0)  # past the moment a GPU task waits for the policy's best worker
     [second] = h.lease(w)
     assert second.task.id == t and second.grant is not None
-    assert second.grant["uuids"] != first.grant["uuids"]  # type: ignore[index]
-    assert h.task(t).routing["avoid_gpus"] == first.grant["uuids"]  # type: ignore[index]
+    assert second.grant.uuids != first.grant.uuids  # type: ignore[union-attr]
+    assert h.task(t).routing.avoid_gpus == first.grant.uuids  # type: ignore[union-attr]
 
 
 def test_a_lease_that_never_reached_its_worker_goes_back_without_counting_as_a_retry(h: Harness) -> None:
@@ -222,7 +222,7 @@ def test_a_lease_that_never_reached_its_worker_goes_back_without_counting_as_a_r
     h.clock.advance(UNDELIVERED_AFTER_S + 0.1)
     [again] = h.lease(w)
     assert again.task.id == t and again.task.attempts == 2  # the attempt number stays spent (a fencing token)
-    assert h.task(t).routing["undelivered"] == 1  # type: ignore[index]
+    assert h.task(t).routing.undelivered == 1  # type: ignore[union-attr]
     assert h.succeed(w, again) == ([t], [])  # max_retries=0, yet it ran: the lost lease did not count
 
 
@@ -260,7 +260,7 @@ def test_an_exclusive_gpu_is_granted_audited_released_and_granted_again(h: Harne
     w = h.worker(variants=[SHOUT_GPU], gpus=1)
     a, b = h.submit(gpu=GpuMode.REQUIRE, tenant="acme"), h.submit(gpu=GpuMode.REQUIRE, tenant="acme")
     [lease] = h.lease(w)
-    assert (lease.task.id, lease.grant["uuids"]) == (a, ["GPU-w-0"])  # type: ignore[index]
+    assert (lease.task.id, lease.grant.uuids) == (a, ("GPU-w-0",))  # type: ignore[union-attr]
     assert h.lease(w, running=[a]) == []  # the one GPU is held: b waits
     assert h.store.gpu_use_by_tenant() == {"acme": 1.0}
     h.clock.advance(7.0)
@@ -269,7 +269,7 @@ def test_an_exclusive_gpu_is_granted_audited_released_and_granted_again(h: Harne
     assert (allocated["task"], allocated["gpus"]) == (a, ["GPU-w-0"])
     assert (released["task"], released["gpus"], released["seconds"]) == (a, ["GPU-w-0"], 7.0)
     [next_lease] = h.lease(w)
-    assert (next_lease.task.id, next_lease.grant["uuids"]) == (b, ["GPU-w-0"])  # type: ignore[index]
+    assert (next_lease.task.id, next_lease.grant.uuids) == (b, ("GPU-w-0",))  # type: ignore[union-attr]
 
 
 def test_prefer_runs_on_the_cpu_when_no_gpu_worker_is_healthy(h: Harness) -> None:
@@ -277,7 +277,7 @@ def test_prefer_runs_on_the_cpu_when_no_gpu_worker_is_healthy(h: Harness) -> Non
     t = h.submit(gpu=GpuMode.PREFER)
     [lease] = h.lease(w)
     assert lease.device.value == "cpu"
-    assert h.task(t).routing == {"requested": "prefer", "device": "cpu", "reason": "no healthy gpu worker"}
+    assert h.task(t).routing == Routing(requested="prefer", device="cpu", reason="no healthy gpu worker")
 
 
 def test_prefer_waits_gpu_wait_s_for_a_busy_gpu_then_takes_the_cpu(h: Harness) -> None:
@@ -289,4 +289,4 @@ def test_prefer_waits_gpu_wait_s_for_a_busy_gpu_then_takes_the_cpu(h: Harness) -
     h.silent_for(10.5, w)
     [lease] = h.lease(w, running=[busy])
     assert (lease.task.id, lease.device.value) == (t, "cpu")
-    assert "gpu" in h.task(t).routing["reason"]  # type: ignore[index]
+    assert "gpu" in h.task(t).routing.reason  # type: ignore[union-attr]

@@ -10,11 +10,13 @@ from turnout.batching import BatchBook
 from turnout.config import Prices, controller_settings
 from turnout.errors import InvalidInput
 from turnout.escalation import eligible, parse_escalation
-from turnout.models import Device, GpuMode, Task, TaskSpec, TaskState, Variant
+from turnout.gpu.allocation import GpuGrant
+from turnout.models import Allocation, Device, GpuMode, Task, TaskSpec, TaskState, Variant
 from turnout.pipelines import RunState, Stage, next_step, parse_pipelines, run_costs, stage_input
 from turnout.profiles import Profile, Side, choose
 from turnout.resources import parse_resources
 
+GRANT = GpuGrant(("G",), (0,), 0, True, "Fake GPU", False)
 STAGES = (Stage("a"), Stage("b"), Stage("c"))
 keys = st.text("abcdef", min_size=1, max_size=3)
 objects = st.dictionaries(keys, st.integers(), max_size=4)
@@ -143,7 +145,7 @@ def test_a_batch_takes_riders_up_to_its_size_and_waits_only_while_short() -> Non
     )
     book = BatchBook()
     lead = Task("t1", "default", TaskSpec("embed", {}), TaskState.QUEUED, 0.0, queued_at=10.0)
-    batch = book.start(lead, Device.GPU, variant, {"uuids": ["G"]}, 1.0)
+    batch = book.start(lead, Device.GPU, variant, GRANT, 1.0)
     assert batch is not None
     assert batch.wait_left_s(10.05) == pytest.approx(0.05) and book.waiting(10.05) == [batch]
     assert book.waiting(10.2) == []  # its wait is over: leased part full
@@ -152,13 +154,9 @@ def test_a_batch_takes_riders_up_to_its_size_and_waits_only_while_short() -> Non
         assert book.joinable(rider) is batch
         batch.members.append(rider.id)
     assert batch.full and book.waiting(10.0) == [] and not book.has_room()
-    assert book.rider_alloc(batch) == {
-        "cpu": 0.0,
-        "memory": 0,
-        "batch": "t1",
-        "batch_attempt": 1,
-        "gpu_share": 1.0,
-    }
+    assert book.rider_alloc(batch) == Allocation(
+        cpu=0.0, memory=0, gpu_share=1.0, batch="t1", batch_attempt=1
+    )
 
 
 @given(st.lists(st.sampled_from(["acme", "globex", "default"]), min_size=1, max_size=30))
@@ -174,7 +172,7 @@ def test_a_batch_never_holds_two_tenants_tasks(owners: list[str]) -> None:
         if batch is not None:
             batch.members.append(t.id)
         else:
-            book.start(t, Device.GPU, variant, {"uuids": ["G"]}, 1.0)
+            book.start(t, Device.GPU, variant, GRANT, 1.0)
     for batch in book.open.values():
         assert {tenant_of[m] for m in batch.members} == {batch.leader.tenant}
     # each tenant still batches its own: the first task of each opened a batch of its own
@@ -185,10 +183,8 @@ def test_a_batchs_grant_is_held_once_and_by_a_rider_once_its_leader_is_gone() ->
     from turnout.placement import grant_holders
 
     def member(tid: str, batch: str | None) -> Task:
-        alloc = {"batch": batch} if batch else None
-        return Task(
-            tid, "acme", TaskSpec("embed", {}), TaskState.RUNNING, 0.0, gpus={"uuids": ["G"]}, alloc=alloc
-        )
+        alloc = Allocation(batch=batch) if batch else None
+        return Task(tid, "acme", TaskSpec("embed", {}), TaskState.RUNNING, 0.0, gpus=GRANT, alloc=alloc)
 
     lead, r1, r2, solo = member("t1", "t1"), member("t2", "t1"), member("t3", "t1"), member("t9", None)
     assert [t.id for t in grant_holders([r1, lead, r2, solo])] == ["t1", "t9"]

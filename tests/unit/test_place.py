@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 from hypothesis import given, settings
@@ -11,8 +11,20 @@ from hypothesis import strategies as st
 
 from turnout import placement, profiles
 from turnout.batching import BatchBook
+from turnout.gpu.allocation import GpuGrant
 from turnout.gpu.devices import GpuDevice
-from turnout.models import Device, GpuMode, Task, TaskSpec, TaskState, Variant, Worker, WorkerState
+from turnout.models import (
+    Allocation,
+    Device,
+    GpuMode,
+    Routing,
+    Task,
+    TaskSpec,
+    TaskState,
+    Variant,
+    Worker,
+    WorkerState,
+)
 from turnout.placement import BatchRole, Facts, Placement, place
 from turnout.resources import parse_resources
 from turnout.tenancy import LimitsTable, TenantLimits
@@ -88,7 +100,7 @@ def test_given_a_free_gpu_when_a_prefer_task_is_placed_then_it_takes_the_gpu_and
     assert p is not None and p.device is Device.GPU and p.reason == "gpu available"
     assert p.grant is not None and p.grant.uuids == ("GPU-a-0",) and p.grant.memory_bytes == 4 * GiB
     assert p.unit_memory_bytes == 24 * GiB and p.gpu_share == pytest.approx(4 / 24)
-    assert p.gpus() == {**p.grant.to_dict(), "unit_memory_bytes": 24 * GiB}
+    assert p.gpus() == replace(p.grant, unit_memory_bytes=24 * GiB)
 
 
 def test_given_a_never_task_when_placed_then_it_runs_on_the_cpu_with_no_grant() -> None:
@@ -125,7 +137,7 @@ def test_given_no_quota_when_a_gpu_is_granted_then_tenant_usage_is_never_read() 
 
 
 def test_given_an_oom_on_the_only_gpu_when_retried_then_it_goes_to_the_cpu_naming_the_gpu() -> None:
-    routing = {"avoid_gpus": ["GPU-a-0"], "last_error": {"type": "gpu_oom"}}
+    routing = Routing(avoid_gpus=("GPU-a-0",), last_error={"type": "gpu_oom"})
     p = decide(task(routing=routing), worker("a", (SHARE, CPU)))
     assert p is not None and p.device is Device.CPU
     assert p.reason == "gpu out of memory on GPU-a-0; no healthy gpu worker"
@@ -135,9 +147,8 @@ def test_given_a_better_fitting_worker_when_a_fresh_gpu_task_asks_then_it_is_lef
     None
 ):
     a, b = worker("a", (SHARE,)), worker("b", (SHARE,))
-    running = task("r", state=TaskState.RUNNING, worker_id="b", device=Device.GPU, alloc={"cpu": 1, "memory": 0},
-                   gpus={"uuids": ["GPU-b-0"], "indices": [0], "memory_bytes": 4 * GiB, "exclusive": False,
-                         "model": "Fake GPU"})  # fmt: skip
+    running = task("r", state=TaskState.RUNNING, worker_id="b", device=Device.GPU, alloc=Allocation(cpu=1, memory=0),
+                   gpus=GpuGrant(("GPU-b-0",), (0,), 4 * GiB, False, "Fake GPU", False))  # fmt: skip
     reads = FakeReads(fleet=placement.Fleet("fgd", [a, b], {"b": [running]}))
     assert decide(task(), a, b, reads=reads) is None
     reads = FakeReads(fleet=placement.Fleet("fgd", [a, b], {"b": [running]}))
@@ -200,10 +211,9 @@ def test_a_placement_never_exceeds_free_gpu_memory_or_the_room_and_a_gpu_only_ta
     active = []
     for i, shares in enumerate(gpus):
         for j, gib in enumerate(shares):
-            grant = {"uuids": [f"GPU-a-{i}"], "indices": [i], "memory_bytes": gib * GiB, "exclusive": False,
-                     "model": "Fake GPU"}  # fmt: skip
+            grant = GpuGrant((f"GPU-a-{i}",), (i,), gib * GiB, False, "Fake GPU", False)
             active.append(task(f"h{i}-{j}", state=TaskState.RUNNING, worker_id="a", device=Device.GPU,
-                               alloc={"cpu": 0, "memory": 0}, gpus=grant))  # fmt: skip
+                               alloc=Allocation(cpu=0, memory=0), gpus=grant))  # fmt: skip
     room = placement.room_of(here, active)
     room.cpu = cpu_free
     facts = Facts([here], FakeReads(fleet=placement.Fleet("fgd", [here], {"a": active})))

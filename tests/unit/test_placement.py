@@ -3,8 +3,20 @@
 from __future__ import annotations
 
 from turnout import placement
+from turnout.gpu.allocation import GpuGrant
 from turnout.gpu.devices import GpuDevice
-from turnout.models import Device, GpuMode, Task, TaskSpec, TaskState, Variant, Worker, WorkerState
+from turnout.models import (
+    Allocation,
+    Device,
+    GpuMode,
+    Routing,
+    Task,
+    TaskSpec,
+    TaskState,
+    Variant,
+    Worker,
+    WorkerState,
+)
 from turnout.resources import parse_resources
 
 GiB = 2**30
@@ -29,9 +41,8 @@ CPU = Variant("c", Device.CPU, parse_resources({"cpu": 1, "memory": "1Gi"}))
 
 def test_room_is_capacity_less_what_active_tasks_hold() -> None:
     w = worker("a", variants=(SHARE, CPU))
-    held = task("t1", state=TaskState.RUNNING, worker_id="a", device=Device.GPU, alloc={"cpu": 1.5, "memory": GiB},
-                gpus={"uuids": ["GPU-a-0"], "indices": [0], "memory_bytes": 4 * GiB, "exclusive": False,
-                      "model": "Fake GPU"})  # fmt: skip
+    held = task("t1", state=TaskState.RUNNING, worker_id="a", device=Device.GPU, alloc=Allocation(cpu=1.5, memory=GiB),
+                gpus=GpuGrant(("GPU-a-0",), (0,), 4 * GiB, False, "Fake GPU", False))  # fmt: skip
     room = placement.room_of(w, [held])
     assert room.cpu == 2.5 and room.memory_bytes == 15 * GiB
     assert room.usage["GPU-a-0"].memory_bytes == 4 * GiB
@@ -48,25 +59,23 @@ def test_cluster_view_sees_gpu_variants_only_where_a_gpu_could_ever_fit() -> Non
 
 def test_a_gpu_that_ran_out_of_memory_is_not_offered_again() -> None:
     w = worker("a", gpus=2, variants=(SHARE,))
-    retry = task("x", routing={"avoid_gpus": ["GPU-a-0"]})
+    retry = task("x", routing=Routing(avoid_gpus=("GPU-a-0",)))
     grant = placement.try_gpu(placement.room_of(w, []), SHARE.resources, retry)
     assert grant is not None and grant.uuids == ("GPU-a-1",)
 
 
 def test_the_fleet_packs_a_share_next_to_a_running_share() -> None:
     a, b = worker("a", variants=(SHARE,)), worker("b", variants=(SHARE,))
-    running = task("t1", state=TaskState.RUNNING, worker_id="b", device=Device.GPU, alloc={"cpu": 1, "memory": 0},
-                   gpus={"uuids": ["GPU-b-0"], "indices": [0], "memory_bytes": 4 * GiB, "exclusive": False,
-                         "model": "Fake GPU"})  # fmt: skip
+    running = task("t1", state=TaskState.RUNNING, worker_id="b", device=Device.GPU, alloc=Allocation(cpu=1, memory=0),
+                   gpus=GpuGrant(("GPU-b-0",), (0,), 4 * GiB, False, "Fake GPU", False))  # fmt: skip
     fleet = placement.Fleet("fgd", [a, b], {"b": [running]})
     assert fleet.best(SHARE.resources, task("new")) == "b"
 
 
 def share_of(wid: str, tenant: str, tid: str = "t1") -> Task:
     return task(tid, tenant=tenant, state=TaskState.RUNNING, worker_id=wid, device=Device.GPU,
-                alloc={"cpu": 1, "memory": 0},
-                gpus={"uuids": [f"GPU-{wid}-0"], "indices": [0], "memory_bytes": 4 * GiB, "exclusive": False,
-                      "model": "Fake GPU"})  # fmt: skip
+                alloc=Allocation(cpu=1, memory=0),
+                gpus=GpuGrant((f"GPU-{wid}-0",), (0,), 4 * GiB, False, "Fake GPU", False))  # fmt: skip
 
 
 def test_another_tenants_share_waits_while_a_gpu_holds_one_tenants_shares() -> None:

@@ -295,7 +295,7 @@ def test_a_worker_whose_connection_closes_for_good_has_its_tasks_requeued_at_onc
         assert store.get_worker(worker.id).state is WorkerState.UNHEALTHY  # type: ignore[union-attr]
         requeued = store.get_task(task.id)
         assert requeued is not None and requeued.routing is not None
-        assert requeued.routing["last_error"]["message"] == "worker connection closed"
+        assert (requeued.routing.last_error or {})["message"] == "worker connection closed"
 
     run_with_service(store, FakeClock(), body, reconnect_grace_s=0.05)
 

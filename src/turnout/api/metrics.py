@@ -57,7 +57,7 @@ class Metrics:
 
     def observe_leases(self, leases: Sequence[Lease]) -> None:
         for lease in leases:
-            reason = (lease.task.routing or {}).get("reason")
+            reason = lease.task.routing.reason if lease.task.routing else None
             self.routing.labels(lease.device.value, reason_class(reason)).inc()
 
     def render(self) -> bytes:

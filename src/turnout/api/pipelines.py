@@ -133,7 +133,7 @@ def run_out(run: PipelineRun, tasks: Sequence[Task | None], prices: Prices) -> d
             entry.update(state=task.state.value, task_id=task.id, device=device_of(task), gpu_model=task.gpu_model,
                          worker=task.worker_id, queue_s=_round(start - task.created_at if start else None),
                          cold_start_s=_round(task.cold_start_s), run_s=_round(task.run_s), cost_usd=task.cost_usd,
-                         reason=(task.routing or {}).get("reason"), attempts=task.attempts, error=task.error,
+                         reason=task.routing.reason if task.routing else None, attempts=task.attempts, error=task.error,
                          batch_size=(task.usage or {}).get("batch_size"))  # fmt: skip
         stages.append(entry)
     saving = None if cost is None or gpu_only is None else round(gpu_only - cost, 10)

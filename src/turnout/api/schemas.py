@@ -27,6 +27,7 @@ from turnout.models import (
     Device,
     GpuMode,
     Lease,
+    Routing,
     Task,
     TaskSpec,
     Variant,
@@ -362,8 +363,8 @@ def lease_out(le: Lease) -> dict[str, Any]:
     """One leased task as the worker receives it."""
     t = le.task
     return {"id": t.id, "attempt": t.attempts, "capability": t.spec.capability, "device": le.device.value,
-            "input": t.spec.input, "resources": le.resources.to_dict(), "gpus": le.grant, "timeout_s": t.spec.timeout_s,
-            "labels": t.spec.labels, "tenant": t.tenant, "routing": t.routing, "batch": le.batch,
+            "input": t.spec.input, "resources": le.resources.to_dict(), "gpus": le.grant.to_dict() if le.grant else None, "timeout_s": t.spec.timeout_s,
+            "labels": t.spec.labels, "tenant": t.tenant, "routing": t.routing.to_dict() if t.routing else None, "batch": le.batch,
             "chain": [{"stage": c.stage, "capability": c.capability, "timeout_s": c.timeout_s, "labels": c.labels}
                       for c in le.chain]}  # fmt: skip
 
@@ -403,7 +404,7 @@ def task_out(t: Task) -> dict[str, Any]:
     started = t.started_at
     queue_end = started or t.leased_at or finished
     queue_s = (queue_end - t.created_at) if queue_end else None
-    gpus = list((t.gpus or {}).get("uuids", [])) if t.gpus else []
+    gpus = list(t.gpus.uuids) if t.gpus else []
     return {
         "id": t.id, "tenant": t.tenant, "capability": t.spec.capability, "state": t.state.value,
         "input": t.spec.input, "output": t.output, "error": t.error,
@@ -421,16 +422,18 @@ def task_out(t: Task) -> dict[str, Any]:
 
 def device_of(t: Task) -> str | None:
     """`cpu`, `gpu`, or `cloud:NAME` for a task an escalation endpoint ran."""
-    cloud = (t.routing or {}).get("cloud")
+    cloud = t.routing.cloud if t.routing else None
     if cloud:
         return f"cloud:{cloud}"
     return t.device.value if t.device else None
 
 
-def _public_routing(routing: dict[str, Any] | None) -> dict[str, Any] | None:
+def _public_routing(routing: Routing | None) -> dict[str, Any] | None:
     if routing is None:
         return None
-    return {k: v for k, v in routing.items() if k in ("requested", "device", "reason", "avoid_gpus")}
+    return {
+        k: v for k, v in routing.to_dict().items() if k in ("requested", "device", "reason", "avoid_gpus")
+    }
 
 
 def worker_out(w: Worker, active: int = 0) -> dict[str, Any]:

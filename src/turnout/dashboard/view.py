@@ -21,7 +21,7 @@ _NUMBER = re.compile(r"\d+(?:\.\d+)?")
 
 
 @dataclass(frozen=True)
-class Allocation:
+class GpuHold:
     """One task's hold on one GPU or MIG device. `task_id` is None when the viewer may not see the task."""
 
     tenant: str
@@ -39,7 +39,7 @@ class GpuView:
     index: int
     name: str
     memory_total_bytes: int
-    allocations: tuple[Allocation, ...] = ()
+    allocations: tuple[GpuHold, ...] = ()
     memory_used_bytes: int | None = None  # measured by the worker's provider; physical GPUs only
     utilization_pct: float | None = None
     temperature_c: float | None = None
@@ -108,18 +108,20 @@ def worker_views(
     workers: Sequence[Worker], active: Iterable[Task], *, viewer_tenant: str | None, now: float
 ) -> list[WorkerView]:
     """Workers with their GPUs; `viewer_tenant` None sees every task, else other tenants' holds are anonymous."""
-    holds: dict[str, list[Allocation]] = {}
+    holds: dict[str, list[GpuHold]] = {}
     running: dict[str, int] = {}
     for t in active:
         running[t.worker_id or ""] = running.get(t.worker_id or "", 0) + 1
-        grant = t.gpus or {}
+        grant = t.gpus
+        if grant is None:
+            continue
         visible = viewer_tenant is None or t.tenant == viewer_tenant
-        for uuid in grant.get("uuids", []):
+        for uuid in grant.uuids:
             holds.setdefault(uuid, []).append(
-                Allocation(
+                GpuHold(
                     tenant=t.tenant if visible else OTHER_TENANTS,
-                    memory_bytes=int(grant.get("memory_bytes") or 0),
-                    exclusive=bool(grant.get("exclusive")),
+                    memory_bytes=grant.memory_bytes,
+                    exclusive=grant.exclusive,
                     task_id=t.id if visible else None,
                     capability=t.spec.capability if visible else None,
                 )
@@ -141,7 +143,7 @@ def worker_views(
 
 
 def _gpu_view(
-    dev: dict[str, Any], live: dict[str, Any], holds: dict[str, list[Allocation]], quarantined: dict[str, str]
+    dev: dict[str, Any], live: dict[str, Any], holds: dict[str, list[GpuHold]], quarantined: dict[str, str]
 ) -> GpuView:
     migs = tuple(_mig_view(dev, m, holds, quarantined) for m in dev.get("mig_devices") or () if m.get("uuid"))
     uuid = str(dev.get("uuid", ""))
@@ -155,7 +157,7 @@ def _gpu_view(
 
 
 def _mig_view(
-    dev: dict[str, Any], mig: dict[str, Any], holds: dict[str, list[Allocation]], quarantined: dict[str, str]
+    dev: dict[str, Any], mig: dict[str, Any], holds: dict[str, list[GpuHold]], quarantined: dict[str, str]
 ) -> GpuView:
     uuid = str(mig["uuid"])
     return GpuView(

@@ -112,9 +112,11 @@ class GpuGrant:
     exclusive: bool
     model: str
     mig: bool
+    # a unit's whole memory, as a task's record and its lease carry it (the worker caps memory fractions by it)
+    unit_memory_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "uuids": list(self.uuids),
             "indices": list(self.indices),
             "memory_bytes": self.memory_bytes,
@@ -122,10 +124,14 @@ class GpuGrant:
             "model": self.model,
             "mig": self.mig,
         }
+        if self.unit_memory_bytes is not None:
+            out["unit_memory_bytes"] = self.unit_memory_bytes
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> GpuGrant:
         try:
+            unit = d.get("unit_memory_bytes")
             return cls(
                 tuple(str(u) for u in d["uuids"]),
                 tuple(int(i) for i in d["indices"]),
@@ -133,6 +139,7 @@ class GpuGrant:
                 bool(d["exclusive"]),
                 str(d["model"]),
                 bool(d.get("mig", False)),
+                None if unit is None else int(unit),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidInput(f"gpu grant: malformed ({exc!r})", field="gpus") from exc

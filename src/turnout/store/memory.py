@@ -30,14 +30,14 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from turnout.models import Task, TaskState, Worker, WorkerState
+from turnout.models import Allocation, Task, TaskState, Worker, WorkerState
 from turnout.pipelines import PipelineRun, RunState
 from turnout.profiles import Profile, RunSample, fold
 from turnout.store import schema
 from turnout.store.base import TaskChange
 from turnout.store.files import FileRecord
 from turnout.store.runs import _run, _run_row
-from turnout.store.sql import _dedupe, _encode, _task, _worker, _worker_row
+from turnout.store.sql import _dedupe, _encode, _task, _worker, _worker_row, gpus_held
 
 _MISSING = object()
 _ACTIVE = frozenset({TaskState.LEASED.value, TaskState.RUNNING.value})
@@ -302,21 +302,11 @@ class MemoryStore:
 
     def gpu_use_by_tenant(self) -> dict[str, float]:
         """As `SqlStore.gpu_use_by_tenant`: a share counts its fraction, a batch's grant once, a cloud task one."""
-        out: dict[str, float] = {}
-        counted: set[str] = set()
         with self._lock:
-            for r in self._tasks.values():
-                cloud = (r["worker_id"] or "").startswith("cloud:")
-                if r["state"] not in _ACTIVE or (r["gpus"] is None and not cloud):
-                    continue
-                alloc = json.loads(r["alloc"]) if r["alloc"] is not None else {}
-                batch = alloc.get("batch")
-                if batch is not None:
-                    if batch in counted:
-                        continue
-                    counted.add(batch)
-                out[r["tenant"]] = out.get(r["tenant"], 0.0) + float(alloc.get("gpu_share", 1.0))
-        return out
+            holds = [(r["tenant"], Allocation.from_dict(json.loads(r["alloc"]) if r["alloc"] is not None else None))
+                     for r in self._tasks.values()
+                     if r["state"] in _ACTIVE and (r["gpus"] is not None or (r["worker_id"] or "").startswith("cloud:"))]  # fmt: skip
+        return gpus_held(holds)
 
     def queued_kinds(self) -> list[tuple[str, str, str]]:
         kinds: dict[tuple[str, str], str] = {}

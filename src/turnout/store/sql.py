@@ -24,9 +24,12 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from turnout.errors import IdempotencyConflict, InvalidInput
+from turnout.gpu.allocation import GpuGrant
 from turnout.models import (
+    Allocation,
     Device,
     GpuMode,
+    Routing,
     Task,
     TaskSpec,
     TaskState,
@@ -327,18 +330,10 @@ class SqlStore:
         escalation endpoint holds (worker `cloud:NAME`) counts one GPU."""
         held = sa.or_(T.c.gpus.is_not(None), T.c.worker_id.like("cloud:%"))
         query = sa.select(T.c.id, T.c.tenant, T.c.alloc).where(T.c.state.in_(_ACTIVE), held)
-        out: dict[str, float] = {}
         with self._read() as conn:
-            rows = conn.execute(query).all()
-        counted: set[str] = set()
-        for _id, tenant, alloc in rows:
-            batch = (alloc or {}).get("batch")
-            if batch is not None:
-                if batch in counted:
-                    continue
-                counted.add(batch)
-            out[tenant] = out.get(tenant, 0.0) + float((alloc or {}).get("gpu_share", 1.0))
-        return out
+            return gpus_held(
+                [(tenant, Allocation.from_dict(alloc)) for _id, tenant, alloc in conn.execute(query)]
+            )
 
     def _capabilities_queued(self) -> list[Any]:
         with self._read() as conn:
@@ -747,7 +742,31 @@ _TASK_ENUMS = {"state": TaskState, "device": Device}
 
 
 def _encode(values: dict[str, Any]) -> dict[str, Any]:
-    return {k: (v.value if isinstance(v, TaskState | Device | GpuMode) else v) for k, v in values.items()}
+    """A task update's values as its columns take them: enums as their text, records as JSON objects."""
+    return {
+        k: (v.value if isinstance(v, TaskState | Device | GpuMode) else _dict_of(v))
+        for k, v in values.items()
+    }
+
+
+def _dict_of(value: Any) -> Any:
+    """A record (`Routing`, `Allocation`, `GpuGrant`) as its JSON object; anything else as it is."""
+    return value.to_dict() if isinstance(value, Routing | Allocation | GpuGrant) else value
+
+
+def gpus_held(holds: Iterable[tuple[str, Allocation | None]]) -> dict[str, float]:
+    """GPUs per tenant from (tenant, allocation) of the tasks holding GPUs: a share counts its fraction, and
+    a batch (its tasks share their leader's grant) counts once."""
+    out: dict[str, float] = {}
+    counted: set[str] = set()
+    for tenant, alloc in holds:
+        if alloc is not None and alloc.batch is not None:
+            if alloc.batch in counted:
+                continue
+            counted.add(alloc.batch)
+        share = alloc.gpu_share if alloc is not None else None
+        out[tenant] = out.get(tenant, 0.0) + (1.0 if share is None else share)
+    return out
 
 
 def _dedupe(
@@ -782,10 +801,10 @@ def _task_row(t: Task) -> dict[str, Any]:
         "priority": s.priority, "timeout_s": s.timeout_s, "placement_timeout_s": s.placement_timeout_s,
         "max_retries": s.max_retries, "idempotency_key": s.idempotency_key, "labels": s.labels or None,
         "attempts": t.attempts, "worker_id": t.worker_id, "device": t.device.value if t.device else None,
-        "gpus": t.gpus, "gpu_model": t.gpu_model, "routing": t.routing, "created_at": t.created_at,
+        "gpus": _dict_of(t.gpus), "gpu_model": t.gpu_model, "routing": _dict_of(t.routing), "created_at": t.created_at,
         "queued_at": t.queued_at, "leased_at": t.leased_at, "started_at": t.started_at,
         "finished_at": t.finished_at, "run_s": t.run_s, "cost_usd": t.cost_usd,
-        "unservable_since": t.unservable_since, "pipeline_run_id": t.pipeline_run_id, "alloc": t.alloc,
+        "unservable_since": t.unservable_since, "pipeline_run_id": t.pipeline_run_id, "alloc": _dict_of(t.alloc),
         "isolation": t.isolation, "cold_start_s": t.cold_start_s, "usage": t.usage,
     }  # fmt: skip
 
@@ -801,10 +820,11 @@ def _task(r: Any) -> Task:
     return Task(
         id=r.id, tenant=r.tenant, spec=spec, state=TaskState(r.state), created_at=r.created_at,
         attempts=r.attempts, output=r.output, error=r.error, worker_id=r.worker_id,
-        device=Device(r.device) if r.device else None, gpus=r.gpus, gpu_model=r.gpu_model, routing=r.routing,
+        device=Device(r.device) if r.device else None, gpus=GpuGrant.from_dict(r.gpus) if r.gpus else None,
+        gpu_model=r.gpu_model, routing=Routing.from_dict(r.routing),
         queued_at=r.queued_at, leased_at=r.leased_at, started_at=r.started_at, finished_at=r.finished_at,
         run_s=r.run_s, cost_usd=r.cost_usd, unservable_since=r.unservable_since, pipeline_run_id=r.pipeline_run_id,
-        alloc=r.alloc, isolation=r.isolation, cold_start_s=r.cold_start_s, usage=r.usage,
+        alloc=Allocation.from_dict(r.alloc), isolation=r.isolation, cold_start_s=r.cold_start_s, usage=r.usage,
     )  # fmt: skip
 
 
