@@ -109,7 +109,7 @@ class Exchange:
 
     accepted: list[str]
     refused: list[str]
-    queued: Sequence[str]  # tasks queued by these results (pipelines' next stages)
+    queued: Sequence[Task]  # tasks queued by these results (pipelines' next stages)
     lease: LeaseResult | None = None  # None: the worker asked for no work
     chains: Chains = field(default_factory=Chains)  # the next stages these results said were started
     runs: frozenset[str] = frozenset()  # pipeline runs whose stages these results ended

@@ -95,7 +95,7 @@ class PipelineRuns:
         self.ctrl = controller
         self.store: RunRecords = controller.store.runs
         # stage tasks queued since last asked (`take_queued`): lease polls should wake
-        self.stages_queued: list[str] = []
+        self.stages_queued: list[Task] = []
 
     def pipeline(self, name: str) -> Pipeline:
         found = self.ctrl.settings.pipelines.get(name)
@@ -136,7 +136,7 @@ class PipelineRuns:
         if (
             noted and len(self.stages_queued) < MAX_NOTED
         ):  # past it, a caller sees some not leased yet: it wakes all
-            self.stages_queued.append(task.id)
+            self.stages_queued.append(task)
 
     def _stage_task(self, run: PipelineRun, index: int, done: list[Task], now: float) -> Task:
         stage: Stage = run.stages[index]
@@ -201,8 +201,9 @@ class PipelineRuns:
         """Move on every running run whose stage ended by other means than a worker's result."""
         return sum(self._advance(run) for run in self.store.running_runs()) > 0
 
-    def take_queued(self) -> Sequence[str]:
-        """The ids of the stage tasks queued since the last call (empty: none)."""
+    def take_queued(self) -> Sequence[Task]:
+        """The stage tasks queued since the last call (empty: none); MAX_NOTED of them at most (more were
+        queued: the caller cannot tell which, and wakes every poll)."""
         queued, self.stages_queued = self.stages_queued, []
         return queued
 

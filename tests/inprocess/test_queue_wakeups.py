@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -21,6 +22,7 @@ from turnout.auth import TokenBook
 from turnout.config import ControllerSettings
 from turnout.controller import Controller
 from turnout.models import Role
+from turnout.pipelines import parse_pipelines
 from turnout.store import MemoryStore
 from turnout.tenancy import parse_limits
 
@@ -248,3 +250,23 @@ async def test_a_task_no_poll_can_take_yet_costs_each_poll_one_look(api: Api, lo
     # Then each poll looked once (the wake-up passed on, and not back), and both still wait
     assert {w.id: looks[w.id] - before[w.id] for w, _ in polls} == {w.id: 1 for w, _ in polls}
     assert not any(poll.done() for _, poll in polls)
+
+
+async def test_a_pipelines_next_stage_wakes_one_parked_poll_not_all(
+    api: Api, looks: Counter[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    two = parse_pipelines({"two": {"stages": [{"capability": "shout", "gpu": "never"}] * 2}})
+    monkeypatch.setattr(api.ctrl, "settings", replace(api.ctrl.settings, pipelines=two))
+    runner, first, second = await api.worker(), await api.worker(), await api.worker()
+    # Given a run's first stage leased, and two idle workers' polls parked
+    run = await api.client.post("/v1/pipelines/two/runs", json={"input": {}})
+    assert run.status_code == 201, run.text
+    [stage0] = (await runner.lease())["tasks"]
+    polls = [await park(first, looks), await park(second, looks)]
+    # When its result (naming no chained stage) queues the second stage in the same commit
+    assert (await runner.complete(stage0, {"a": 1}))["accepted"] == [stage0["id"]]
+    # Then the poll parked longest takes it, and the other did not look again
+    [stage1] = await leased_ids(polls[0])
+    assert (await api.task(stage1))["labels"] == {"pipeline": "two", "stage": "1"}
+    await asyncio.sleep(0.2)
+    assert looks[second.id] == 1 and not polls[1].done()

@@ -43,6 +43,7 @@ from turnout.auth import WorkerCredential
 from turnout.controller import LeaseResult, new_id
 from turnout.errors import InvalidInput
 from turnout.models import Worker
+from turnout.runs import MAX_NOTED
 
 CompleteAnswer = Callable[[str, CompleteIn, WorkerCredential], Awaitable[FastJSON]]
 
@@ -175,8 +176,10 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> WorkerRoutes:
             answer.update(leases_out(done.lease))
         taken = {le.task.id for le in done.lease.leases} if done.lease else set()
         retried = bool(done.accepted) and any(not c.succeeded for c in completions)
-        if retried or any(tid not in taken for tid in done.queued):
-            service.queue_changed.notify()  # a retry or a pipeline's next stage is queued, for anyone
+        if retried or len(done.queued) >= MAX_NOTED:
+            service.queue_changed.notify()  # a retry (or more stages than were noted) is queued, for anyone
+        elif stages := [t for t in done.queued if t.id not in taken]:
+            service.tasks_queued(stages)  # a pipeline's next stages: one poll that could take each
         return FastJSON(answer)
 
     @api.post("/v1/workers/{worker_id}/scrubs")
