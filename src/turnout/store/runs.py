@@ -25,13 +25,17 @@ P = schema.profiles
 # hot statements, built once (as in sql.py): a chained report reads and moves its run in the same commit
 _GET_RUN = sa.select(R).where(R.c.id == sa.bindparam("id"))
 _GET_RUNS = sa.select(R).where(R.c.id.in_(sa.bindparam("ids", expanding=True)))
-_RUN_TASK_IDS = sa.select(R.c.task_ids).where(R.c.id == sa.bindparam("id"))
 
 
 @functools.lru_cache(maxsize=64)
 def _run_update(keys: tuple[str, ...]) -> sa.Update:
-    """UPDATE pipeline_runs SET <keys> WHERE id = :_id AND state = 'running', built once per shape."""
-    query = R.update().where(R.c.id == sa.bindparam("_id"), R.c.state == RunState.RUNNING.value)
+    """UPDATE pipeline_runs SET <keys> WHERE id = :_id AND state = 'running' AND its task list has :_tasks
+    entries, built once per shape: one statement (json_array_length is SQLite's and PostgreSQL's alike)."""
+    query = R.update().where(
+        R.c.id == sa.bindparam("_id"),
+        R.c.state == RunState.RUNNING.value,
+        sa.func.coalesce(sa.func.json_array_length(R.c.task_ids), 0) == sa.bindparam("_tasks"),
+    )
     return query.values({k: sa.bindparam(f"v_{k}", type_=R.c[k].type) for k in keys})
 
 
@@ -79,11 +83,8 @@ class RunStore:
         values = {k: (v.value if isinstance(v, RunState) else v) for k, v in values.items()}
         if "task_ids" in values:
             values["task_ids"] = list(values["task_ids"])
+        params = {"_id": run_id, "_tasks": expect_tasks, **{f"v_{k}": v for k, v in values.items()}}
         with self.store._write() as conn:
-            row = conn.execute(_RUN_TASK_IDS, {"id": run_id}).first()
-            if row is None or len(row[0] or []) != expect_tasks:
-                return False
-            params = {"_id": run_id, **{f"v_{k}": v for k, v in values.items()}}
             return bool(conn.execute(_run_update(tuple(values)), params).rowcount)
 
     def cost_by_tenant(self) -> list[tuple[str, str, float]]:
