@@ -7,7 +7,8 @@ The same cluster serves every phase.
 
 - alone: the calm tenant runs `noop` tasks one after another (POST, then GET .../result?wait=10).
 - flood at 50/s, then at 200/s: the flooding tenant submits `sleep` tasks of 0.1 s from several concurrent
-  clients as fast as they can, never waiting out a 429 (a hostile client). The pool runs at most 80 of
+  clients as fast as they can, never waiting out a 429 (a hostile client; its 429s are held, as any such
+  tenant's are: `refusal_hold_s`, README). The pool runs at most 80 of
   them a second; at 200 a second the flooding tenant's queue grows. After a settling time (at 200/s, long
   enough for its queue to grow deep), the calm tenant measures again, the very same tasks.
 - after each flood, the flooding tenant's queued tasks are cancelled and its running ones end, so the
@@ -51,7 +52,7 @@ def config(reserved_share: float | None) -> str:
     share = f", reserved_share: {reserved_share}" if reserved_share is not None else ""
     return (
         f'limits:\n  "*": {{submit_per_s: 200{share}}}\n  flood-50: {{submit_per_s: 50}}\n'
-        "  over: {submit_per_s: 0.01}\n"
+        "  over: {submit_per_s: 0.01, refusal_hold_s: 0}\n"
     )
 
 
@@ -226,7 +227,8 @@ def _drain(url: str, token: str, timeout_s: float = 120) -> int:
 
 def _refusal_cost(url: str, token: str, controller: psutil.Process, n: int) -> dict[str, Any]:
     """The controller's CPU per refused submission: a tenant over its rate (one submission in 100 s) sends n
-    more from FLOOD_CLIENTS concurrent connections; CPU seconds the controller used over the 429s."""
+    more from FLOOD_CLIENTS concurrent connections; CPU seconds the controller used over the 429s. Its refusals
+    are not held (`refusal_hold_s: 0`): this measures what each one costs, answered at once."""
 
     async def send_all() -> list[int]:
         limits = httpx.Limits(max_connections=FLOOD_CLIENTS, max_keepalive_connections=FLOOD_CLIENTS)

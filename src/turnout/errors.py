@@ -87,6 +87,12 @@ class RateLimited(TurnoutError):
         super().__init__(message, field=field)
         self.retry_after_s = retry_after_s
 
+    def after(self, held_s: float) -> RateLimited:
+        """The same refusal answered `held_s` later: that much less to wait."""
+        return RateLimited(
+            self.message, retry_after_s=max(0.0, self.retry_after_s - held_s), field=self.field
+        )
+
     def to_dict(self) -> dict[str, Any]:
         # the header says whole seconds (HTTP allows no less); the body says exactly, for clients that can wait less
         return {**super().to_dict(), "retry_after_s": round(self.retry_after_s, 3)}

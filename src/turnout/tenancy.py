@@ -32,6 +32,9 @@ class TenantLimits:
     gpu_allocations_per_min: float | None = None  # GPU grants per minute, by the allocator
     max_gpus: float | None = None  # GPUs held at once (a share counts its fraction)
     reserved_share: float | None = None  # of each shared worker's CPU, held for the tenant while it has work
+    refusal_hold_s: float | None = (
+        None  # how long its 429s are held once it keeps sending (RefusalPace); 0: never
+    )
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ _POSITIVE: tuple[Callable[[float], bool], str] = (lambda v: v > 0, "a number > 0
 _RANGES: dict[str, tuple[Callable[[float], bool], str]] = {  # every other limit: _POSITIVE
     "max_gpus": (lambda v: v >= 0, "a number >= 0"),
     "reserved_share": (lambda v: 0 < v <= 1, "a fraction > 0 and <= 1"),
+    "refusal_hold_s": (lambda v: 0 <= v <= 60, "seconds >= 0 and <= 60"),
 }
 
 
@@ -166,6 +170,58 @@ class TenantBuckets:
             now = self.clock()
             bucket = self._bucket(tenant, now)
             return 0.0 if bucket is None else bucket.take(n, now)
+
+
+FREE_REFUSALS = 10  # a tenant's refusals in any one second answered at once; past them each is held
+REFUSAL_HOLD_S = 1.0  # how long a refusal past them waits before it is answered
+MAX_HELD = 64  # a tenant's refusals held at once at most; past it they are answered at once
+
+
+class RefusalPace:
+    """How long to hold a tenant's 429 before answering it: nothing while the tenant's clients wait out their
+    429s, `hold_s` (or the tenant's `refusal_hold_s` in `limits`) once they keep sending regardless (more than
+    `free` refusals in one second).
+
+    A client that ignores Retry-After sends its next submission the moment it hears the last refusal; answering
+    at once made its refusals as frequent as the controller and its own host could make them (hundreds a
+    second, each a request the event loop handled). Held, each of its connections sends one a `hold_s`, and the
+    wait costs nothing but a timer. The refusal is the same 429, its `retry_after_s` less the time held, so a
+    client that waits it out waits no longer in all. At most `max_held` of one tenant's are held at once (a
+    tenant opening many connections gets the rest answered at once). Pure: the caller passes the clock."""
+
+    def __init__(
+        self,
+        limits: LimitsTable | None = None,
+        *,
+        free: int = FREE_REFUSALS,
+        hold_s: float = REFUSAL_HOLD_S,
+        max_held: int = MAX_HELD,
+    ) -> None:
+        self.limits = limits or LimitsTable()
+        self.free, self.hold_s, self.max_held = free, hold_s, max_held
+        self._window: dict[str, tuple[float, int]] = {}  # tenant -> (second it counts in, refusals in it)
+        self.held: dict[str, int] = {}  # tenant -> refusals held now
+
+    def refused(self, tenant: str, now: float) -> float:
+        """Count a refusal of `tenant` at `now`; the seconds to hold it (0: answer at once). A hold must be
+        followed by `released(tenant)` once it is over."""
+        start, count = self._window.get(tenant, (now, 0))
+        if now - start >= 1.0:
+            start, count = now, 0
+        self._window[tenant] = (start, count + 1)
+        own = self.limits.of(tenant).refusal_hold_s
+        hold_s = self.hold_s if own is None else own
+        if count < self.free or hold_s <= 0 or self.held.get(tenant, 0) >= self.max_held:
+            return 0.0
+        self.held[tenant] = self.held.get(tenant, 0) + 1
+        return hold_s
+
+    def released(self, tenant: str) -> None:
+        left = self.held.get(tenant, 0) - 1
+        if left > 0:
+            self.held[tenant] = left
+        else:
+            self.held.pop(tenant, None)
 
 
 def submit_rule(limits: LimitsTable) -> Rule:

@@ -4,6 +4,7 @@ no subprocess; the controller's clock is a fake one the test moves."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,24 +117,31 @@ def _gpu(i: int) -> dict[str, Any]:
     return {"index": i, "uuid": f"GPU-fake-{i}", "name": "Fake H100", "memory_total_bytes": 80 * 2**30}
 
 
-@pytest.fixture
-async def api() -> AsyncIterator[Api]:
-    """The API on a fresh memory store, lifespan started; the operator's token on every request."""
+@contextlib.asynccontextmanager
+async def serve_api(settings: ControllerSettings | None = None, **service_args: Any) -> AsyncIterator[Api]:
+    """The API on a fresh memory store with these settings, lifespan started (the service's threads stop
+    however the block ends); the operator's token on every request."""
     clock = FakeClock()
     store = MemoryStore()
     tokens = TokenBook(store)
     _, admin = tokens.create(Role.ADMIN, ALL_TENANTS)
-    service = Service(Controller(store, ControllerSettings(heartbeat_s=1.0), clock=clock), tokens)
+    controller = Controller(store, settings or ControllerSettings(heartbeat_s=1.0), clock=clock)
+    service = Service(controller, tokens, **service_args)
     app = create_app(service)
-    async with app.router.lifespan_context(
-        app
-    ):  # starts the service; stops it (and its threads) however we end
+    async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         headers = {"Authorization": f"Bearer {admin}"}
         async with httpx.AsyncClient(
             transport=transport, base_url="http://turnout", headers=headers
         ) as client:
             yield Api(client, service, clock, store)
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[Api]:
+    """The API on a fresh memory store, lifespan started; the operator's token on every request."""
+    async with serve_api() as served_api:
+        yield served_api
 
 
 @dataclass

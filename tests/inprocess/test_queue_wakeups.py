@@ -10,20 +10,12 @@ from collections import Counter
 from dataclasses import replace
 from typing import Any
 
-import httpx
 import pytest
 
-from tests.inprocess.conftest import CPU_SHOUT, Api, Worker
-from tests.inprocess.harness import FakeClock
+from tests.inprocess.conftest import CPU_SHOUT, Api, Worker, serve_api
 from turnout.access import ALL_TENANTS
-from turnout.api.app import create_app
-from turnout.api.service import Service
-from turnout.auth import TokenBook
 from turnout.config import ControllerSettings
-from turnout.controller import Controller
-from turnout.models import Role
 from turnout.pipelines import parse_pipelines
-from turnout.store import MemoryStore
 from turnout.tenancy import parse_limits
 
 pytestmark = pytest.mark.anyio
@@ -161,40 +153,30 @@ async def test_a_result_wakes_a_poll_whose_free_room_was_kept_for_another_tenant
     # Given a shared worker of 4 CPUs keeping half for each tenant with work: the calm tenant submitted lately,
     # and the hog's 2 tasks hold its half, so the poll parks with 2 CPUs free that the hog's backlog may not take
     limits = parse_limits({"*": {"submit_per_s": 1000, "reserved_share": 0.5}}, None)
-    store, clock = MemoryStore(), FakeClock()
-    tokens = TokenBook(store)
-    _, admin = tokens.create(Role.ADMIN, ALL_TENANTS)
-    settings = ControllerSettings(heartbeat_s=1.0, tenant_limits=limits)
-    service = Service(Controller(store, settings, clock=clock), tokens, recheck_s=30.0)
-    app = create_app(service)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        headers = {"Authorization": f"Bearer {admin}"}
-        async with httpx.AsyncClient(transport=transport, base_url="http://t", headers=headers) as client:
-            api = Api(client, service, clock, store)
-            looks = Counter[str]()
-            calm, hog = await api.token("submit", "calm"), await api.token("submit", "hog")
-            worker = await api.worker()
-            submit = {"capability": "shout", "gpu": "never", "input": {}}
-            assert (await api.as_(calm, "POST", "/v1/tasks", json=submit)).status_code == 201
-            (calm_lease,) = (await worker.lease(max_tasks=1))["tasks"]
-            await worker.complete(calm_lease, {"n": 0})
-            for _ in range(6):
-                assert (await api.as_(hog, "POST", "/v1/tasks", json=submit)).status_code == 201
-            hog_leases = (await worker.lease())["tasks"]
-            assert len(hog_leases) == 2
-            offer = api.ctrl.offer
+    async with serve_api(ControllerSettings(heartbeat_s=1.0, tenant_limits=limits), recheck_s=30.0) as api:
+        looks = Counter[str]()
+        calm, hog = await api.token("submit", "calm"), await api.token("submit", "hog")
+        worker = await api.worker()
+        submit = {"capability": "shout", "gpu": "never", "input": {}}
+        assert (await api.as_(calm, "POST", "/v1/tasks", json=submit)).status_code == 201
+        (calm_lease,) = (await worker.lease(max_tasks=1))["tasks"]
+        await worker.complete(calm_lease, {"n": 0})
+        for _ in range(6):
+            assert (await api.as_(hog, "POST", "/v1/tasks", json=submit)).status_code == 201
+        hog_leases = (await worker.lease())["tasks"]
+        assert len(hog_leases) == 2
+        offer = api.ctrl.offer
 
-            def counted(worker_id: str, **ask: Any) -> Any:
-                looks[worker_id] += 1
-                return offer(worker_id, **ask)
+        def counted(worker_id: str, **ask: Any) -> Any:
+            looks[worker_id] += 1
+            return offer(worker_id, **ask)
 
-            api.ctrl.offer = counted  # type: ignore[method-assign]
-            poll = await park(worker, looks, running=[t["id"] for t in hog_leases])
-            # When one of the hog's tasks ends (its result asks for no work)
-            await worker.complete(hog_leases[0], {"n": 1})
-            # Then the poll looks again at once, and the hog may take the CPU that freed
-            assert len(await leased_ids(poll)) == 1
+        api.ctrl.offer = counted  # type: ignore[method-assign]
+        poll = await park(worker, looks, running=[t["id"] for t in hog_leases])
+        # When one of the hog's tasks ends (its result asks for no work)
+        await worker.complete(hog_leases[0], {"n": 1})
+        # Then the poll looks again at once, and the hog may take the CPU that freed
+        assert len(await leased_ids(poll)) == 1
 
 
 async def test_a_poll_after_an_answer_that_left_nothing_queued_parks_without_looking(

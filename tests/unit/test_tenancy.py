@@ -74,7 +74,7 @@ def test_the_readme_limits_example_means_what_it_says() -> None:
     block = next(b for b in re.findall(r"```yaml\n(.*?)```", readme, flags=re.S) if b.startswith("limits:"))
     table = parse_limits(yaml.safe_load(block)["limits"], "README.md")
     assert table.of("acme") == TenantLimits(
-        submit_per_s=50, gpu_allocations_per_min=60, max_gpus=2, reserved_share=0.25
+        submit_per_s=50, gpu_allocations_per_min=60, max_gpus=2, reserved_share=0.25, refusal_hold_s=2
     )
     assert table.of("anyone") == TenantLimits(
         submit_per_s=200, gpu_allocations_per_min=600, max_gpus=8, reserved_share=0.25

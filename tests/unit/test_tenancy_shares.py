@@ -25,6 +25,7 @@ from turnout.tenancy import (
     RECENT_S,
     LimitsTable,
     RecentTenants,
+    RefusalPace,
     TenantBuckets,
     TenantLimits,
     admit_submission,
@@ -314,3 +315,49 @@ def test_a_worker_serving_one_tenant_reserves_nothing(store: SqlStore) -> None:
     submit(ctrl, "acme", 6)
     got = ctrl.lease(own.id, max_tasks=10, tenant="acme").leases
     assert [le.task.tenant for le in got] == ["acme"] * 4
+
+
+# ---- refusals held for a tenant that keeps sending ----------------------------------------------------
+
+
+def test_a_tenants_first_refusals_in_a_second_are_answered_at_once_and_the_rest_held() -> None:
+    pace = RefusalPace(free=3, hold_s=1.0, max_held=8)
+    assert [pace.refused("acme", 100.0 + i * 0.1) for i in range(5)] == [0.0, 0.0, 0.0, 1.0, 1.0]
+    assert pace.refused("globex", 100.45) == 0.0  # another tenant counts its own
+    assert pace.held == {"acme": 2}
+    pace.released("acme")
+    pace.released("acme")
+    assert pace.held == {}
+    # a second later the tenant starts afresh: a client that waits out its 429s is never held
+    assert [pace.refused("acme", 101.0 + i * 0.4) for i in range(3)] == [0.0, 0.0, 0.0]
+
+
+def test_past_max_held_a_tenants_refusals_are_answered_at_once() -> None:
+    pace = RefusalPace(free=0, hold_s=1.0, max_held=2)
+    assert [pace.refused("acme", 5.0) for _ in range(4)] == [1.0, 1.0, 0.0, 0.0]
+    pace.released("acme")
+    assert pace.refused("acme", 5.1) == 1.0
+    assert RefusalPace(free=0, hold_s=0.0).refused("acme", 5.0) == 0.0  # holding switched off
+
+
+@given(st.lists(st.tuples(st.sampled_from(TENANTS), st.floats(0, 0.999)), max_size=60))
+def test_no_tenant_is_ever_held_for_its_first_free_refusals_of_a_second(
+    calls: list[tuple[str, float]],
+) -> None:
+    pace = RefusalPace(free=4, hold_s=1.0, max_held=1000)
+    seen: dict[str, int] = {}
+    for tenant, at in sorted(calls, key=lambda c: c[1]):  # all within the first second
+        seen[tenant] = seen.get(tenant, 0) + 1
+        assert (pace.refused(tenant, 50.0 + at) > 0) == (seen[tenant] > 4)
+    assert sum(pace.held.values()) == sum(max(0, n - 4) for n in seen.values())
+
+
+def test_a_tenants_own_refusal_hold_from_its_limits_wins_and_zero_switches_it_off() -> None:
+    limits = parse_limits({"*": {"refusal_hold_s": 2.5}, "bench": {"refusal_hold_s": 0}}, "turnout.yaml")
+    pace = RefusalPace(limits, free=0)
+    assert (pace.refused("acme", 1.0), pace.refused("bench", 1.0)) == (2.5, 0.0)
+    assert RefusalPace(parse_limits({"acme": {"submit_per_s": 5}}), free=0).refused("acme", 1.0) == 1.0
+    with pytest.raises(
+        InvalidInput, match=r"turnout.yaml: limits.acme.refusal_hold_s: expected seconds >= 0"
+    ):
+        parse_limits({"acme": {"refusal_hold_s": -1}}, "turnout.yaml")

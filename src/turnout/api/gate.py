@@ -36,7 +36,7 @@ class SubmitGate:
                 refusal = early_refusal(self.service.submissions, self.service.gpu_submissions, tenant)
                 if refusal is not None:
                     # the unread body is the server's to discard; the connection stays open for the next request
-                    await error_response(refusal)(scope, receive, send)
+                    await error_response(await self.service.paced(tenant, refusal))(scope, receive, send)
                     return
         await self.app(scope, receive, send)
 

@@ -73,7 +73,7 @@ def router(service: Service, guards: Guards) -> APIRouter:
         # the run is one submission (its first stage's, GPU-only where that stage is); the stages the
         # controller queues after it are not the client's submissions: only max_gpus and the allocation
         # rate hold them, at lease time, as for any task
-        service.admit_counts(p.home_tenant, 1, int(stage_gpu(first, gpu) is GpuMode.REQUIRE))
+        await service.admit_counts(p.home_tenant, 1, int(stage_gpu(first, gpu) is GpuMode.REQUIRE))
         deadline = time.monotonic() + wait
         run_id = new_id("r_")
         with service.watch_tasks([run_id]) as ended:  # from before it exists: it may end before we look

@@ -33,6 +33,7 @@ import itertools
 import logging
 import secrets
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -42,14 +43,14 @@ from typing import Any, Generic, TypeVar
 from turnout.access import ALL_TENANTS
 from turnout.auth import TokenBook, WorkerKeys
 from turnout.controller import Controller, LeaseResult
-from turnout.errors import NotFound, StorageUnavailable
+from turnout.errors import NotFound, RateLimited, StorageUnavailable
 from turnout.lanes import WORKER_LANE, Lanes
 from turnout.models import GpuMode, Task, TaskSpec, Worker, WorkerState
 from turnout.runs import RunView
 from turnout.store.notify import ALL, ANY_WORKER, ReplicaBus
 from turnout.store.replicas import claim_sweep, refresh_statistics
 from turnout.store.sql import is_storage_failure
-from turnout.tenancy import TenantBuckets, admit_submission, gpu_allocation_rule, submit_rule
+from turnout.tenancy import RefusalPace, TenantBuckets, admit_submission, gpu_allocation_rule, submit_rule
 
 log = logging.getLogger("turnout.api")
 R = TypeVar("R")
@@ -262,6 +263,7 @@ class Service:
         limits = controller.settings.tenant_limits
         self.submissions = TenantBuckets(submit_rule(limits))
         self.gpu_submissions = TenantBuckets(gpu_allocation_rule(limits))  # GPU-only tasks, at the door
+        self.pace = RefusalPace(limits)  # how long a tenant's 429s are held (`paced`)
         self.bus = bus  # the other replicas on this database, if it is PostgreSQL (store/notify.py)
         self.recheck_s = recheck_s  # how often a parked long poll looks again without a wake-up
         self.replica_id = bus.sender if bus is not None else "local"
@@ -396,13 +398,30 @@ class Service:
             if lost:
                 self.controller.forget_cached()
 
-    def admit(self, tenant: str, specs: list[TaskSpec]) -> None:
+    async def admit(self, tenant: str, specs: list[TaskSpec]) -> None:
         """Rate limits at the door, before the database: see `tenancy.admit_submission`."""
-        self.admit_counts(tenant, len(specs), sum(1 for s in specs if s.gpu is GpuMode.REQUIRE))
+        await self.admit_counts(tenant, len(specs), sum(1 for s in specs if s.gpu is GpuMode.REQUIRE))
 
-    def admit_counts(self, tenant: str, n: int, n_gpu_only: int) -> None:
-        """`admit` for n submissions that are not (yet) task specs: a pipeline run counts as one."""
-        admit_submission(self.submissions, self.gpu_submissions, tenant, n, n_gpu_only)
+    async def admit_counts(self, tenant: str, n: int, n_gpu_only: int) -> None:
+        """`admit` for n submissions that are not (yet) task specs: a pipeline run counts as one. A refusal
+        is answered as `paced` says."""
+        try:
+            admit_submission(self.submissions, self.gpu_submissions, tenant, n, n_gpu_only)
+        except RateLimited as refusal:
+            raise await self.paced(tenant, refusal) from None
+
+    async def paced(self, tenant: str, refusal: RateLimited) -> RateLimited:
+        """`refusal`, once the hold `tenancy.RefusalPace` gives it is over (none for a tenant whose clients wait
+        out their 429s): a client that keeps sending regardless hears its refusals a second apart."""
+        hold_s = self.pace.refused(tenant, time.monotonic())
+        if not hold_s:
+            return refusal
+        try:
+            with contextlib.suppress(TimeoutError):  # a controller that stops answers at once
+                await asyncio.wait_for(self.closing.wait(), hold_s)
+        finally:
+            self.pace.released(tenant)
+        return refusal.after(hold_s)
 
     # ---- wake-ups ------------------------------------------------------------------------------
 

@@ -56,7 +56,9 @@ def router(service: Service, guards: Guards) -> TaskRoutes:
 
     async def submit_answer(body: TaskIn, p: Principal) -> FastJSON:
         specs = [body.to_spec(limits)]
-        service.admit(p.home_tenant, specs)  # a 429 before the database: a flood costs the others nothing
+        await service.admit(
+            p.home_tenant, specs
+        )  # a 429 before the database: a flood costs the others nothing
         tasks = await service.call(ctrl.submit, p.home_tenant, specs,
                                    waits_for_capacity=[body.waits_for_capacity])  # fmt: skip
         service.tasks_queued(tasks)
@@ -69,7 +71,7 @@ def router(service: Service, guards: Guards) -> TaskRoutes:
     @api.post("/v1/tasks/batch", status_code=201, response_class=FastJSON)
     async def submit_batch(body: TaskBatchIn, p: Principal = need(Action.SUBMIT)) -> FastJSON:
         specs = body.to_specs(limits)
-        service.admit(p.home_tenant, specs)
+        await service.admit(p.home_tenant, specs)
         tasks = await service.call(ctrl.submit, p.home_tenant, specs,
                                    prefixes=[f"tasks.{i}." for i in range(len(body.tasks))],
                                    waits_for_capacity=[t.waits_for_capacity for t in body.tasks])  # fmt: skip
