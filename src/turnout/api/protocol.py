@@ -46,6 +46,7 @@ from turnout.models import Worker
 from turnout.runs import MAX_NOTED
 
 CompleteAnswer = Callable[[str, CompleteIn, WorkerCredential], Awaitable[FastJSON]]
+LISTED_BEFORE_S = 5.0  # how long before its poll reached us a worker may have written the poll's `running`
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> WorkerRoutes:
     @api.post("/v1/workers/{worker_id}/lease", response_class=FastJSON)
     async def lease(worker_id: str, body: LeaseIn, me: WorkerCredential = this_worker()) -> FastJSON:
         listed_at = ctrl.clock()  # `running` is as of now, however long the poll waits
+        arrived = time.monotonic()
         deadline = time.monotonic() + min(body.wait_s, ctrl.settings.max_lease_wait_s)
         running = list(body.running)
         watching: list[str] = []  # leased to it since `running` was written: it may hold them unlisted
@@ -126,6 +128,9 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> WorkerRoutes:
                 if since == epoch and not woken_for:
                     result = LeaseResult(looked=True)  # what its last look found still holds: nothing more
                 else:
+                    # what the worker got outside its polls since it wrote `running` (a little before it came)
+                    handed = service.handed_since(worker_id, arrived - LISTED_BEFORE_S)
+                    watching = list(dict.fromkeys([*watching, *handed]))
                     with service.leasing(worker_id):
                         result = await service.call(ctrl.offer, worker_id, max_tasks=body.max_tasks,
                                                     running=running, tenant=me.tenant, listed_at=listed_at,
@@ -166,6 +171,8 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> WorkerRoutes:
         answer: dict[str, Any] = {"accepted": done.accepted, "refused": done.refused}
         if done.chains.claimed:  # which of the stages the worker started may go on (the others it stops)
             answer.update(chained=done.chains.accepted, unchained=done.chains.refused)
+        service.handed(worker_id, [*done.chains.accepted, *(le.task.id for le in done.lease.leases)]
+                       if done.lease else done.chains.accepted)  # fmt: skip
         if done.accepted:
             service.capacity_freed(worker_id, done.lease)  # its capacity is free again; other workers' is not
             service.results_in(  # a run's wait watches the run's id

@@ -34,7 +34,7 @@ import logging
 import secrets
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -57,6 +57,8 @@ R = TypeVar("R")
 POLL_S = 1.0
 MAX_GROUP = 512  # calls committed together at most
 PER_TENANT = 16  # one tenant's submissions in one group at most (lanes.Lanes)
+HANDED_KEPT_S = 90.0  # how long a hand-over is remembered for the polls under way (a poll lasts <= 60 s)
+HANDED_KEPT = 256  # hand-overs remembered per worker at most
 HEARTBEAT_ANSWER_S = 0.5  # a heartbeat is answered by then even when its write still waits for the database
 ANALYZE_EVERY_S = 2.0  # how often one replica checks whether the tasks table's statistics went stale
 RECONNECT_GRACE_S = 1.0  # a worker whose held connection dropped has this long to open a new one
@@ -284,6 +286,8 @@ class Service:
         # they wait; keyed like `_task_waits`
         self._ended_tasks: dict[str, Task] = {}
         self._ended_runs: dict[str, RunView] = {}
+        # worker id -> (when, task id) of tasks it got outside its lease polls (`handed`)
+        self._handed: dict[str, deque[tuple[float, str]]] = {}
         self.events_added = Signal(self._publisher("events"))
         self._worker_signals: dict[
             str, Signal
@@ -482,6 +486,27 @@ class Service:
         """`ended_task` for a pipeline run: the run and its task per stage."""
         view = self._ended_runs.get(run_id)
         return view if view is not None and scope in (None, view[0].tenant) else None
+
+    def handed(self, worker_id: str, task_ids: Iterable[str]) -> None:
+        """These tasks went to the worker outside its lease polls (an exchange's lease, a stage it chained). A
+        poll under way lists what its worker ran when it was sent, and is not woken for them (the worker knows
+        them from the exchange's answer); it watches them from its next look (`handed_since`), so a cancel
+        of one reaches the worker at once, even where the poll never looked since the hand-over."""
+        now = time.monotonic()
+        kept = self._handed.get(worker_id)
+        for task_id in task_ids:
+            if kept is None:
+                kept = self._handed[worker_id] = deque(maxlen=HANDED_KEPT)
+            kept.append((now, task_id))
+
+    def handed_since(self, worker_id: str, since: float) -> list[str]:
+        """The tasks handed to the worker outside its polls since `since` (monotonic seconds)."""
+        kept = self._handed.get(worker_id)
+        if not kept:
+            return []
+        while kept and kept[0][0] < time.monotonic() - HANDED_KEPT_S:
+            kept.popleft()
+        return [task_id for at, task_id in kept if at >= since]
 
     def worker_signal(self, worker_id: str) -> Signal:
         signal = self._worker_signals.get(worker_id)
