@@ -109,6 +109,7 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> WorkerRoutes:
     async def lease(worker_id: str, body: LeaseIn, me: WorkerCredential = this_worker()) -> FastJSON:
         listed_at = ctrl.clock()  # `running` is as of now, however long the poll waits
         arrived = time.monotonic()
+        handed_upto = 0  # the hand-overs to its worker this poll has taken into `watching`
         deadline = time.monotonic() + min(body.wait_s, ctrl.settings.max_lease_wait_s)
         running = list(body.running)
         watching: list[str] = []  # leased to it since `running` was written: it may hold them unlisted
@@ -129,7 +130,9 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> WorkerRoutes:
                     result = LeaseResult(looked=True)  # what its last look found still holds: nothing more
                 else:
                     # what the worker got outside its polls since it wrote `running` (a little before it came)
-                    handed = service.handed_since(worker_id, arrived - LISTED_BEFORE_S)
+                    handed, handed_upto = service.handed_since(
+                        worker_id, arrived - LISTED_BEFORE_S, handed_upto
+                    )
                     watching = list(dict.fromkeys([*watching, *handed]))
                     with service.leasing(worker_id):
                         result = await service.call(ctrl.offer, worker_id, max_tasks=body.max_tasks,
@@ -173,6 +176,7 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> WorkerRoutes:
             answer.update(chained=done.chains.accepted, unchained=done.chains.refused)
         service.handed(worker_id, [*done.chains.accepted, *(le.task.id for le in done.lease.leases)]
                        if done.lease else done.chains.accepted)  # fmt: skip
+        service.reported(worker_id, done.accepted)  # a chained stage may have ended in the same report
         if done.accepted:
             service.capacity_freed(worker_id, done.lease)  # its capacity is free again; other workers' is not
             service.results_in(  # a run's wait watches the run's id

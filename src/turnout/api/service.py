@@ -34,7 +34,7 @@ import logging
 import secrets
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -286,8 +286,10 @@ class Service:
         # they wait; keyed like `_task_waits`
         self._ended_tasks: dict[str, Task] = {}
         self._ended_runs: dict[str, RunView] = {}
-        # worker id -> (when, task id) of tasks it got outside its lease polls (`handed`)
-        self._handed: dict[str, deque[tuple[float, str]]] = {}
+        # worker id -> {task id: (number, when)} of tasks it got outside its lease polls and has not reported
+        # on yet (`handed`), oldest first
+        self._handed: dict[str, dict[str, tuple[int, float]]] = {}
+        self._handed_count = 0
         self.events_added = Signal(self._publisher("events"))
         self._worker_signals: dict[
             str, Signal
@@ -496,17 +498,31 @@ class Service:
         kept = self._handed.get(worker_id)
         for task_id in task_ids:
             if kept is None:
-                kept = self._handed[worker_id] = deque(maxlen=HANDED_KEPT)
-            kept.append((now, task_id))
+                kept = self._handed[worker_id] = {}
+            self._handed_count += 1
+            kept[task_id] = (self._handed_count, now)
+        while kept and len(kept) > HANDED_KEPT:
+            del kept[next(iter(kept))]
 
-    def handed_since(self, worker_id: str, since: float) -> list[str]:
-        """The tasks handed to the worker outside its polls since `since` (monotonic seconds)."""
+    def reported(self, worker_id: str, task_ids: Iterable[str]) -> None:
+        """The worker's results ended these tasks: no poll of its needs to watch them any more."""
+        kept = self._handed.get(worker_id)
+        if kept:
+            for task_id in task_ids:
+                kept.pop(task_id, None)
+
+    def handed_since(self, worker_id: str, since: float, after: int) -> tuple[list[str], int]:
+        """The tasks handed to the worker outside its polls since `since` (monotonic seconds), after the
+        hand-over numbered `after`, not yet reported on; and the number of the last: a poll takes each
+        hand-over once."""
         kept = self._handed.get(worker_id)
         if not kept:
-            return []
-        while kept and kept[0][0] < time.monotonic() - HANDED_KEPT_S:
-            kept.popleft()
-        return [task_id for at, task_id in kept if at >= since]
+            return [], after
+        old = time.monotonic() - HANDED_KEPT_S
+        while kept and next(iter(kept.values()))[1] < old:
+            del kept[next(iter(kept))]
+        new = [(n, task_id) for task_id, (n, at) in kept.items() if n > after and at >= since]
+        return [task_id for _, task_id in new], max((n for n, _ in new), default=after)
 
     def worker_signal(self, worker_id: str) -> Signal:
         signal = self._worker_signals.get(worker_id)
