@@ -68,3 +68,21 @@ async def test_a_cancel_of_a_stage_chained_while_the_poll_was_parked_reaches_it_
         # Then the parked poll answers the cancel at once, not when its 20 s are over
         resp = await asyncio.wait_for(poll, 5)
         assert resp.json()["cancel"] == [child] and time.monotonic() - started < 2
+
+
+@pytest.mark.anyio
+async def test_a_hand_over_is_watched_until_reported_and_taken_once_per_poll() -> None:
+    async with serve_api() as api:
+        service = api.service
+        start = time.monotonic()
+        service.handed("w_1", ["t_a", "t_b"])
+        service.handed("w_2", ["t_c"])
+        service.reported("w_1", ["t_a"])  # its result came in: nothing to watch
+        ids, upto = service.handed_since("w_1", start - 5, 0)
+        assert ids == ["t_b"]
+        assert service.handed_since("w_1", start - 5, upto) == ([], upto)  # a poll takes each once
+        service.handed("w_1", ["t_d"])
+        assert service.handed_since("w_1", start - 5, upto)[0] == ["t_d"]
+        assert (
+            service.handed_since("w_1", time.monotonic() + 1, 0)[0] == []
+        )  # before the poll's list: not its
