@@ -510,6 +510,8 @@ class Service:
         if kept:
             for task_id in task_ids:
                 kept.pop(task_id, None)
+            if not kept:
+                del self._handed[worker_id]  # a worker that leaves for good leaves nothing behind
 
     def handed_since(self, worker_id: str, since: float, after: int) -> tuple[list[str], int]:
         """The tasks handed to the worker outside its polls since `since` (monotonic seconds), after the
