@@ -70,9 +70,8 @@ class Chains:
     accepted: list[str] = field(default_factory=list)  # created, leased to that worker
     reports: dict[str, Completion] = field(default_factory=dict)  # every result of the report, by task id
     settled: set[str] = field(default_factory=set)  # accepted ones created already ended, with their result
-    taken: set[str] = field(
-        default_factory=set
-    )  # of the ids the report's results name as chained, those in use
+    # of the ids the report's results name as chained, those already in use
+    taken: set[str] = field(default_factory=set)
 
     def claim(self, task: Task, result: Completion, values: Mapping[str, Any]) -> None:
         """Note the stage `result` says its worker started after `task` (which `values` end) as it succeeded."""
@@ -133,9 +132,8 @@ class PipelineRuns:
         `take_queued`, whose caller wakes the lease polls."""
         self.ctrl.store.insert_tasks([task])
         self.ctrl.queued_for(task.tenant)
-        if (
-            noted and len(self.stages_queued) < MAX_NOTED
-        ):  # past it, a caller sees some not leased yet: it wakes all
+        # past MAX_NOTED, a caller sees some not leased yet: it wakes all
+        if noted and len(self.stages_queued) < MAX_NOTED:
             self.stages_queued.append(task)
 
     def _stage_task(self, run: PipelineRun, index: int, done: list[Task], now: float) -> Task:

@@ -32,9 +32,8 @@ class TenantLimits:
     gpu_allocations_per_min: float | None = None  # GPU grants per minute, by the allocator
     max_gpus: float | None = None  # GPUs held at once (a share counts its fraction)
     reserved_share: float | None = None  # of each shared worker's CPU, held for the tenant while it has work
-    refusal_hold_s: float | None = (
-        None  # how long its 429s are held once it keeps sending (RefusalPace); 0: never
-    )
+    # how long its 429s are held once it keeps sending (RefusalPace); None: the default; 0: never
+    refusal_hold_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -174,8 +174,8 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> WorkerRoutes:
         answer: dict[str, Any] = {"accepted": done.accepted, "refused": done.refused}
         if done.chains.claimed:  # which of the stages the worker started may go on (the others it stops)
             answer.update(chained=done.chains.accepted, unchained=done.chains.refused)
-        service.handed(worker_id, [*done.chains.accepted, *(le.task.id for le in done.lease.leases)]
-                       if done.lease else done.chains.accepted)  # fmt: skip
+        leased_ids = [le.task.id for le in done.lease.leases] if done.lease else []
+        service.handed(worker_id, [*done.chains.accepted, *leased_ids])
         service.reported(worker_id, done.accepted)  # a chained stage may have ended in the same report
         if done.accepted:
             service.capacity_freed(worker_id, done.lease)  # its capacity is free again; other workers' is not
@@ -185,7 +185,7 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> WorkerRoutes:
         if done.lease is not None:
             leased(done.lease)
             answer.update(leases_out(done.lease))
-        taken = {le.task.id for le in done.lease.leases} if done.lease else set()
+        taken = set(leased_ids)
         retried = bool(done.accepted) and any(not c.succeeded for c in completions)
         if retried or len(done.queued) >= MAX_NOTED:
             service.queue_changed.notify()  # a retry (or more stages than were noted) is queued, for anyone

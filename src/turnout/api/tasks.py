@@ -56,9 +56,8 @@ def router(service: Service, guards: Guards) -> TaskRoutes:
 
     async def submit_answer(body: TaskIn, p: Principal) -> FastJSON:
         specs = [body.to_spec(limits)]
-        await service.admit(
-            p.home_tenant, specs
-        )  # a 429 before the database: a flood costs the others nothing
+        # a 429 before the database: a flood costs the others nothing
+        await service.admit(p.home_tenant, specs)
         tasks = await service.call(ctrl.submit, p.home_tenant, specs,
                                    waits_for_capacity=[body.waits_for_capacity])  # fmt: skip
         service.tasks_queued(tasks)
