@@ -101,6 +101,9 @@ class LeaseAsk:
     max_tasks: int
     running: Sequence[str] = ()
     tenant: str = ALL_TENANTS  # whom the worker serves
+    # only for work the results it rides on queue themselves (a pipeline's next stage, a retry): the worker
+    # asks because they may, and the controller alone knows whether they did
+    if_queued: bool = False
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,9 @@ class Settled:
     refused: list[str]
     chains: Chains
     runs: frozenset[str] = frozenset()  # pipeline runs whose stages these results ended
+    # the tasks these results ended, and the runs they moved on, as this transaction wrote them
+    ended: Mapping[str, Task] = field(default_factory=dict)
+    views: Mapping[str, RunView] = field(default_factory=dict)
 
 
 class Controller:
@@ -598,7 +604,8 @@ class Controller:
         straight back to the worker that ran it. With nothing queued anywhere (as this controller last looked,
         at most QUEUED_TENANTS_CACHE_S ago; what it queues itself it knows at once) the lease is not tried: the
         results' commit waits for no queries that would find nothing, and the worker's long poll, which waits
-        for new tasks whenever it has room, takes what comes next.
+        for new tasks whenever it has room, takes what comes next. Neither is it tried for an `ask.if_queued`
+        whose results queued nothing (a pipeline's last stage, a chained stage's: their next is leased already).
 
         `watched(id)`: whether a client waits on that task or run: those that ended here are read back in this
         call (`Exchange.ended_tasks`, `ended_runs`), so the waits answer without one more read each, a hop to
@@ -612,8 +619,10 @@ class Controller:
             got = LeaseResult()
             done = set(accepted)
             running = [tid for tid in ask.running if tid not in done]
+            # a failure may have been queued again (a retry): worth a look, rare enough not to tell apart
+            queued_here = bool(queued) or any(not c.succeeded for c in completions if c.task_id in done)
             try:
-                if self._tenants_queued():
+                if (queued_here or not ask.if_queued) and self._tenants_queued():
                     got = self.offer(worker_id, max_tasks=ask.max_tasks, running=running, tenant=ask.tenant)
             except NotFound:  # it left (or was never here): its verdicts stand, and it gets no work
                 pass
@@ -622,11 +631,13 @@ class Controller:
     def _ended(
         self, settled: Settled, watched: Callable[[str], bool]
     ) -> tuple[dict[str, Task], dict[str, RunView]]:
-        """The watched tasks and runs these results ended, as they stand after the results' writes."""
-        ids = [tid for tid in settled.accepted if watched(tid)]
-        tasks = {t.id: t for t in self.store.get_tasks(ids) if t.state.terminal} if ids else {}
-        runs: dict[str, RunView] = {}
-        for run in self.store.runs.get_runs(sorted(r for r in settled.runs if watched(r))):
+        """The watched tasks and runs these results ended, as they stand after the results' writes: as the
+        writes left them, read again only where the settling did not see the end (another controller moved a
+        run on)."""
+        tasks = {tid: t for tid, t in settled.ended.items() if watched(tid)}
+        runs = {rid: v for rid, v in settled.views.items() if v[0].state.terminal and watched(rid)}
+        unseen = sorted(r for r in settled.runs if r not in settled.views and watched(r))
+        for run in self.store.runs.get_runs(unseen) if unseen else ():
             if run.state.terminal:
                 runs[run.id] = (run, self.runs.tasks_of(run))
         return tasks, runs
@@ -655,13 +666,17 @@ class Controller:
         chains = Chains()
         accepted: list[str] = []
         ended: list[Task] = []
+        views: dict[str, RunView] = {}
         left = list(completions)
         chains.reports = {c.task_id: c for c in completions}
-        if named := [c.chain for c in completions if c.chain]:  # one look for every chained id of the report
-            chains.taken = {t.id for t in self.store.get_tasks(named)}
+        # one look for the report's tasks and every chained id it names (most are its later results' tasks)
+        named = {c.chain for c in completions if c.chain}
+        found = {t.id: t for t in self.store.get_tasks({c.task_id for c in completions} | named)}
+        chains.taken = named & found.keys()
         while left:
             chained_before = len(chains.accepted)
-            done, left = self._settle_round(worker_id, left, chains, ended)
+            done, left = self._settle_round(worker_id, left, chains, ended, views, found)
+            found = {}
             accepted += done
             settled_by_runs = [c.task_id for c in left if c.task_id in chains.settled]
             accepted += settled_by_runs  # chained stages recorded, with their results, as they were created
@@ -673,15 +688,23 @@ class Controller:
         finished = set(accepted)
         refused = [c.task_id for c in completions if c.task_id not in finished]
         runs = frozenset(t.pipeline_run_id for t in ended if t.pipeline_run_id)
-        return Settled(accepted, refused, chains, runs)
+        return Settled(accepted, refused, chains, runs, {t.id: t for t in ended}, views)
 
     def _settle_round(
-        self, worker_id: str, completions: Sequence[Completion], chains: Chains, ended_so_far: list[Task]
+        self,
+        worker_id: str,
+        completions: Sequence[Completion],
+        chains: Chains,
+        ended_so_far: list[Task],
+        views: dict[str, RunView],
+        found: Mapping[str, Task],
     ) -> tuple[list[str], list[Completion]]:
         """Settle the results whose tasks exist; returns what was accepted and the results whose tasks do not
-        exist (yet: a chain this round accepted may have created them)."""
+        exist (yet: a chain this round accepted may have created them). `found`: tasks already read for it;
+        `ended_so_far` and `views` gather the tasks it ends and the runs it moves on, as written."""
         now = self.clock()
         known = {c.task_id: chains.created[c.task_id] for c in completions if c.task_id in chains.created}
+        known.update((c.task_id, found[c.task_id]) for c in completions if c.task_id in found)
         fetched = self.store.get_tasks(c.task_id for c in completions if c.task_id not in known)
         tasks = {**known, **{t.id: t for t in fetched}}
         updates = []
@@ -714,7 +737,7 @@ class Controller:
                     continue
                 values.update(state=TaskState.FAILED, error=error)
             updates.append((t.id, ACTIVE, c.attempt, values))
-            finished.append(t)
+            finished.append(replace(t, **values))  # as written: the update changes only these values
         accepted = self.store.update_tasks(updates)
         ended = [t for t in finished if t.id in set(accepted)]
         for t in finished:
@@ -726,7 +749,10 @@ class Controller:
         ended_so_far += ended
         run_ids = {t.pipeline_run_id for t in ended if t.pipeline_run_id}
         if run_ids:  # the next stage, in this commit
-            self.runs.advance_runs(run_ids, chains)
+            written = {t.id: t for t in ended}
+            views.update(
+                (run.id, (run, stages)) for run, stages in self.runs.advance_runs(run_ids, chains, written)
+            )
         return accepted, [c for c in completions if c.task_id not in tasks]
 
     def result_values(self, t: Task, c: Completion, now: float) -> dict[str, Any]:

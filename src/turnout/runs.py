@@ -184,20 +184,21 @@ class PipelineRuns:
     def advance(self, task_ids: Iterable[str]) -> int:
         """Move on the runs of these tasks (which just changed state); returns how many runs changed."""
         run_ids = {t.pipeline_run_id for t in self.ctrl.store.get_tasks(list(task_ids)) if t.pipeline_run_id}
-        return self.advance_runs(run_ids)
+        return len(self.advance_runs(run_ids))
 
-    def advance_runs(self, run_ids: Iterable[str], chains: Chains | None = None) -> int:
-        """Move on these runs (a stage of each just ended); returns how many changed. `chains`: the next
-        stages the workers already started after some of them (see the module docstring)."""
-        return sum(
-            self._advance(run, chains)
-            for run in self.store.get_runs(sorted(run_ids))
-            if not run.state.terminal
-        )
+    def advance_runs(
+        self, run_ids: Iterable[str], chains: Chains | None = None, known: Mapping[str, Task] | None = None
+    ) -> Sequence[RunView]:
+        """Move on these runs (a stage of each just ended); returns each run that changed, as it stands now.
+        `chains`: the next stages the workers already started after some of them (see the module docstring);
+        `known`: tasks as this transaction just wrote them, not read again."""
+        views = (self._advance(run, chains, known) for run in self.store.get_runs(sorted(run_ids))
+                 if not run.state.terminal)  # fmt: skip
+        return [v for v in views if v is not None]
 
     def sweep(self) -> bool:
         """Move on every running run whose stage ended by other means than a worker's result."""
-        return sum(self._advance(run) for run in self.store.running_runs()) > 0
+        return any([self._advance(run) is not None for run in self.store.running_runs()])
 
     def take_queued(self) -> Sequence[Task]:
         """The stage tasks queued since the last call (empty: none); MAX_NOTED of them at most (more were
@@ -205,15 +206,21 @@ class PipelineRuns:
         queued, self.stages_queued = self.stages_queued, []
         return queued
 
-    def _advance(self, run: PipelineRun, chains: Chains | None = None) -> bool:
-        """Queue the run's next stage, or end the run. A stage its worker chained is created leased to it; and
-        where that stage's own successful result is in the same report, it is created with it, already
-        succeeded, and the run goes on from there: a report of a run's chained stages is settled in one pass."""
-        tasks = self.ctrl.store.get_tasks(run.task_ids)
-        by_id = {t.id: t for t in tasks}
+    def _advance(
+        self, run: PipelineRun, chains: Chains | None = None, known: Mapping[str, Task] | None = None
+    ) -> RunView | None:
+        """Queue the run's next stage, or end the run; returns the run as it stands then (None: unchanged). A
+        stage its worker chained is created leased to it; and where that stage's own successful result is in
+        the same report, it is created with it, already succeeded, and the run goes on from there: a report of
+        a run's chained stages is settled in one pass."""
+        by_id = {tid: known[tid] for tid in run.task_ids if known and tid in known}
+        if len(by_id) < len(run.task_ids):
+            by_id.update(
+                (t.id, t) for t in self.ctrl.store.get_tasks(t for t in run.task_ids if t not in by_id)
+            )
         started = [by_id[tid] for tid in run.task_ids if tid in by_id]
         if len(started) != len(run.task_ids):
-            return False  # a task not visible yet (another controller's commit): next sweep
+            return None  # a task not visible yet (another controller's commit): next sweep
         step = next_step(run.stages, started)
         now = self.ctrl.clock()
         new: list[Task] = []  # the stages this step creates, in order; only the last may be unfinished
@@ -243,7 +250,7 @@ class PipelineRuns:
             if step.state is RunState.SUCCEEDED:
                 values["output"] = started[-1].output
         if not values or not self.store.update_run(run.id, len(run.task_ids), values):
-            return False  # nothing to do, or someone else moved it on
+            return None  # nothing to do, or someone else moved it on
         claimed = set(chains.claimed.values()) if chains else set()
         if chains is not None and (ran_on := [t for t in new if t.id in claimed]):
             self.ctrl.store.insert_tasks(ran_on)  # one insert for the stages a report ran back to back
@@ -255,7 +262,10 @@ class PipelineRuns:
         for t in new:
             if t.id not in claimed:
                 self._queue(t)
-        return True
+        now_run = replace(run, **{**values, "task_ids": tuple(values.get("task_ids", run.task_ids))})
+        by_id.update((t.id, t) for t in (*started, *new))
+        tasks: list[Task | None] = [by_id.get(tid) for tid in now_run.task_ids]
+        return now_run, tasks + [None] * (len(run.stages) - len(tasks))
 
     def _chain_of(self, task: Task, parent: Task, chains: Chains, now: float) -> Task | None:
         """The next stage as the chained task the parent's worker started, if it named one that can stand."""

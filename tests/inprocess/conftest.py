@@ -23,7 +23,7 @@ from turnout.config import ControllerSettings
 from turnout.controller import Controller
 from turnout.models import Role
 from turnout.runtime import build_controller
-from turnout.store import MemoryStore
+from turnout.store import MemoryStore, Store
 
 CPU_SHOUT = {"capability": "shout", "device": "cpu", "resources": {"cpu": 1}}
 GPU_SHOUT = {"capability": "shout", "device": "gpu", "resources": {"cpu": 1, "gpu": 1}}
@@ -41,7 +41,7 @@ class Api:
     client: httpx.AsyncClient
     service: Service
     clock: FakeClock
-    store: MemoryStore
+    store: Store
 
     @property
     def ctrl(self) -> Controller:
@@ -118,11 +118,13 @@ def _gpu(i: int) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def serve_api(settings: ControllerSettings | None = None, **service_args: Any) -> AsyncIterator[Api]:
-    """The API on a fresh memory store with these settings, lifespan started (the service's threads stop
-    however the block ends); the operator's token on every request."""
+async def serve_api(
+    settings: ControllerSettings | None = None, store: Store | None = None, **service_args: Any
+) -> AsyncIterator[Api]:
+    """The API on a fresh memory store (or `store`) with these settings, lifespan started (the service's
+    threads stop however the block ends); the operator's token on every request."""
     clock = FakeClock()
-    store = MemoryStore()
+    store = store or MemoryStore()
     tokens = TokenBook(store)
     _, admin = tokens.create(Role.ADMIN, ALL_TENANTS)
     controller = Controller(store, settings or ControllerSettings(heartbeat_s=1.0), clock=clock)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.inprocess.conftest import Api
+from tests.inprocess.conftest import Api, serve_api
 from tests.inprocess.harness import FakeClock
 from turnout.access import ALL_TENANTS
 from turnout.api.app import create_app
@@ -17,9 +18,9 @@ from turnout.api.service import Service
 from turnout.auth import TokenBook
 from turnout.config import ControllerSettings
 from turnout.controller import Controller
-from turnout.models import Role
+from turnout.models import Role, new_id
 from turnout.pipelines import parse_pipelines
-from turnout.store import MemoryStore
+from turnout.store import MemoryStore, open_store
 
 pytestmark = pytest.mark.anyio
 
@@ -118,3 +119,44 @@ async def test_a_pipeline_runs_wait_wakes_on_its_stages_results_alone() -> None:
             assert run["state"] == "succeeded"
             assert run == (await client.get(f"/v1/pipeline-runs/{run_id}")).json()
             assert not service._ended_runs  # kept only while a wait is on it
+
+
+async def test_waits_answer_on_sqlite_exactly_as_a_read_of_the_database_gives_it(tmp_path: Path) -> None:
+    """The waits answer with the tasks and runs as the report's transaction wrote them, not read back: on a real
+    database file, what they answer is what a read gives afterwards, for a task and for a run whose three
+    stages ran chained on one worker and were settled from one report."""
+    pipelines = parse_pipelines({"three": {"stages": [{"capability": "shout", "gpu": "never"}] * 3}})
+    store = open_store(f"sqlite:///{tmp_path / 'turnout.db'}")
+    try:
+        settings = ControllerSettings(heartbeat_s=1.0, pipelines=pipelines)
+        async with serve_api(settings, store, recheck_s=30.0) as api:
+            worker = await api.worker()
+            # a task
+            task = await api.submit(gpu="never")
+            waiting = asyncio.ensure_future(
+                api.client.get(f"/v1/tasks/{task['id']}/result", params={"wait": 20})
+            )
+            [lease] = (await worker.lease())["tasks"]
+            assert (await worker.complete(lease, {"n": [1, 2.5, "x"]}))["accepted"] == [task["id"]]
+            done = (await asyncio.wait_for(waiting, 5)).json()
+            assert done["state"] == "succeeded" and done == await api.task(task["id"])
+            # a run, its stages chained on the worker
+            resp = await api.client.post("/v1/pipelines/three/runs", json={"input": {"text": "hi"}})
+            run_id = resp.json()["id"]
+            waiting = asyncio.ensure_future(
+                api.client.get(f"/v1/pipeline-runs/{run_id}", params={"wait": 20})
+            )
+            [stage] = (await worker.lease())["tasks"]
+            assert [step["stage"] for step in stage["chain"]] == [1, 2]
+            ids = [stage["id"], new_id("t_"), new_id("t_")]
+            results = [{"task_id": tid, "attempt": 1, "status": "succeeded", "output": {f"s{i}": i}, "run_s": 0.25}
+                       for i, tid in enumerate(ids)]  # fmt: skip
+            results[0]["chain"], results[1]["chain"] = ids[1], ids[2]
+            answer = (await worker.post("complete", {"results": results})).json()
+            assert answer["accepted"] == ids and answer["chained"] == ids[1:]
+            run = (await asyncio.wait_for(waiting, 5)).json()
+            assert run["state"] == "succeeded" and [s["task_id"] for s in run["stages"]] == ids
+            assert run == (await api.client.get(f"/v1/pipeline-runs/{run_id}")).json()
+            assert not api.service._ended_runs and not api.service._ended_tasks
+    finally:
+        store.close()

@@ -163,10 +163,8 @@ def task(c: Cluster, task_id: str) -> dict[str, Any]:
 
 def test_a_completion_carrying_a_lease_answers_its_verdicts_and_the_next_tasks(controller: Cluster) -> None:
     w = stand_in(controller, "ex1")  # room for two tasks of 0.5 cpu
-    assert w.features == [
-        "complete_lease",
-        "chain",
-    ]  # named at registration: a worker uses only what is offered
+    # named at registration: a worker uses only what is offered
+    assert w.features == ["complete_lease", "chain", "lease_if_queued"]
     ids = submit(controller, "ex1", 4)  # one batch: leased in id order, not the order submitted
     (first,) = w.lease(max_tasks=1)["tasks"]
 
@@ -221,6 +219,30 @@ def test_a_pipelines_next_stage_goes_straight_back_to_the_worker_that_ran_the_la
     done = controller.api("GET", f"/v1/pipeline-runs/{run['id']}", params={"wait": 10}).json()
     assert done["state"] == "succeeded"
     assert [s["worker"] for s in done["stages"]] == [w.id, w.id]
+
+
+def test_a_lease_asked_if_queued_looks_only_where_the_results_queued_work(controller: Cluster) -> None:
+    """`if_queued`: the worker asks for what its results may queue (a pipeline's next stage, a retry). Where
+    they queued nothing, the commit waits for no look at the queue, though other work is queued there (the
+    long poll takes that); where they did, the lease answers as any."""
+    w = stand_in(controller, "hop")
+    run = controller.api("POST", "/v1/pipelines/hop2/runs", json={"input": {"x": 1}}).json()
+    (stage0,) = w.lease()["tasks"]
+
+    answer = w.complete([ok(stage0)], lease={"max_tasks": 16, "running": [], "if_queued": True})
+    (stage1,) = answer["tasks"]  # the result queued the run's next stage: leased in the same commit
+    assert stage1["labels"] == {"pipeline": "hop2", "stage": "1"}
+    submit(controller, "hop", 1)  # other work this worker could take, queued by a client
+
+    answer = w.complete([ok(stage1)], lease={"max_tasks": 16, "running": [], "if_queued": True})
+    assert answer["accepted"] == [stage1["id"]]
+    assert answer["tasks"] == []  # the last stage queued nothing: the client's task was not looked for
+    assert controller.api("GET", f"/v1/pipeline-runs/{run['id']}").json()["state"] == "succeeded"
+    (other,) = w.lease()["tasks"]  # the long poll takes it
+    assert other["labels"] == {}
+    # without if_queued, the same ask looks as it always did
+    submit(controller, "hop", 1)
+    assert len(w.complete([ok(other)], lease={"max_tasks": 16, "running": []})["tasks"]) == 1
 
 
 def test_concurrent_lease_requests_of_one_worker_never_over_commit_it(controller: Cluster) -> None:

@@ -237,9 +237,9 @@ class HeartbeatIn(Strict):
 
 
 # What this controller's worker protocol offers beyond the first version, named in the register answer so a
-# worker uses only what its controller understands: "complete_lease": `complete` may carry `lease`.
-# what this controller takes beyond the base protocol: a lease riding on a completion, chained pipeline stages
-WORKER_FEATURES = ("complete_lease", "chain")
+# worker uses only what its controller understands: "complete_lease": `complete` may carry `lease`; "chain":
+# chained pipeline stages; "lease_if_queued": that lease may ask only for what the results themselves queue.
+WORKER_FEATURES = ("complete_lease", "chain", "lease_if_queued")
 
 
 class LeaseAskIn(Strict):
@@ -251,6 +251,16 @@ class LeaseAskIn(Strict):
     def to_ask(self, tenant: str) -> LeaseAsk:
         """The ask of a worker that serves `tenant` (its credential's, never the body's)."""
         return LeaseAsk(self.max_tasks, tuple(self.running), tenant)
+
+
+class CompleteLeaseIn(LeaseAskIn):
+    """The lease a completion carries; `if_queued`: only for work these results queue themselves (a pipeline's
+    next stage, a retry), which the worker cannot know before the controller settles them."""
+
+    if_queued: bool = False
+
+    def to_ask(self, tenant: str) -> LeaseAsk:
+        return LeaseAsk(self.max_tasks, tuple(self.running), tenant, if_queued=self.if_queued)
 
 
 class LeaseIn(LeaseAskIn):
@@ -290,7 +300,7 @@ class UsageIn(Strict):
 
 class CompleteIn(Strict):
     results: list[ResultIn] = Field(max_length=10_000)
-    lease: LeaseAskIn | None = None  # work for the room these results free, in the same answer (no wait)
+    lease: CompleteLeaseIn | None = None  # work for the room these results free, in the same answer (no wait)
 
 
 class ScrubIn(Strict):

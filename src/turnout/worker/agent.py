@@ -24,7 +24,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import psutil
@@ -52,6 +52,8 @@ from turnout.worker.reports import (
 
 log = logging.getLogger("turnout.worker")
 MAX_REPORT_BATCH = 5000
+# a report's ask for work: "always", or "if_queued": only for what its results queue themselves
+WorkAsk = Literal["always", "if_queued"]
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,8 @@ class Agent:
         self._started = 0
         self._started_as: dict[str, int] = {}  # task id -> its number
         self._backlog = False  # the last lease answer said work for this worker stays queued
-        self._asks_work: set[str] = set()  # tasks whose results should ask for work (see `_wants_work`)
+        # tasks whose results should ask for work (see `_wants_work`): always (True), or only for what they queue
+        self._asks_work: dict[str, bool] = {}
         self._cpu_of: dict[str, float] = {}  # running task id -> the CPU its lease holds
         self.chains = ChainBook()  # pipeline stages started here before their tasks exist (chains.py)
 
@@ -348,20 +351,26 @@ class Agent:
         smallest = min((r.variant.resources.cpu for r in self.runnables.values()), default=0.0)
         return sum(self._cpu_of.values()) + smallest > cpus + 1e-9
 
-    def _wants_work(self, results: list[dict[str, Any]]) -> bool:
-        """Whether these results should ask for work: the last lease answer said work for this worker stays
-        queued, or a result frees room the long poll was not waiting with (the worker was full, or the task
-        held GPUs), or may queue work itself (a pipeline's stage, a failure that may be retried). Otherwise
-        the long poll, which waits for new tasks whenever there is room, takes what comes next, and the
-        results' commit waits for no lease that would find nothing."""
-        return self._backlog or any(r.get("task_id") in self._asks_work for r in results)
+    def _wants_work(self, results: list[dict[str, Any]]) -> WorkAsk | None:
+        """Whether these results should ask for work: always where the last lease answer said work for this
+        worker stays queued, or a result frees room the long poll was not waiting with (the worker was full,
+        or the task held GPUs); only for what they queue themselves (`if_queued`) where a result may queue work
+        (a pipeline's stage, a failure that may be retried). Otherwise the long poll, which waits for new tasks
+        whenever there is room, takes what comes next, and the results' commit waits for no lease that would
+        find nothing."""
+        asks = [self._asks_work[tid] for r in results if (tid := r.get("task_id")) in self._asks_work]
+        if self._backlog or any(asks):
+            return "always"
+        return "if_queued" if asks else None
 
-    def _lease_ask(self) -> tuple[bytes, int] | None:
+    def _lease_ask(self, want: WorkAsk) -> tuple[bytes, int] | None:
         """The `lease` a completion carries, encoded, and how many tasks had been started; None when this worker
         leases no more (it is stopping) or its controller does not take a lease there."""
         if not self._leasing or "complete_lease" not in self.client.features:
             return None
-        ask = {"max_tasks": self.settings.max_lease, "running": self._held()}
+        ask: dict[str, Any] = {"max_tasks": self.settings.max_lease, "running": self._held()}
+        if want == "if_queued" and "lease_if_queued" in self.client.features:
+            ask["if_queued"] = True
         return encode(ask), self._started
 
     async def _execute(self, leases: list[dict[str, Any]]) -> None:
@@ -403,17 +412,24 @@ class Agent:
                 chained = self._chain_after(lease, checked["output"])
                 if chained is not None:
                     checked["chain"] = chained["id"]
-            if (
-                frees_room
-                or checked["status"] != "succeeded"
-                or ("pipeline" in (lease.get("labels") or {}) and chained is None)
+            if frees_room:
+                self._asks_work[lease["id"]] = True
+            elif checked["status"] != "succeeded" or (
+                "pipeline" in (lease.get("labels") or {}) and chained is None
             ):
-                self._asks_work.add(lease["id"])
+                self._asks_work[lease["id"]] = False  # it may queue work: a retry, the run's next stage
             self._completions.append(checked)
         if chained is not None:  # its result waits a moment for the next stage's, to go in one report
             self._start_chained(first["id"], chained)
-            asyncio.get_running_loop().call_later(CHAIN_HOLD_S, self._completions_ready.set)
+            asyncio.get_running_loop().call_later(CHAIN_HOLD_S, self._hold_over, first["id"])
         else:
+            self._completions_ready.set()
+
+    def _hold_over(self, task_id: str) -> None:
+        """A result held for the stage chained after it waited its `CHAIN_HOLD_S`: send it, if it is still here.
+        A hold that ended long ago (its result went with the stage's) wakes no sender: that wake-up would send
+        the first result of a later run alone, and split its report in two."""
+        if any(c.get("task_id") == task_id for c in self._completions):
             self._completions_ready.set()
 
     def _chain_after(self, lease: dict[str, Any], output: Any) -> dict[str, Any] | None:
@@ -588,9 +604,9 @@ class Agent:
         `lease`: results that free room where work waits (`_wants_work`) also ask for work (`_lease_ask`, fresh
         on every try, so its list of what runs here is never stale), and the tasks in the answer start at once."""
 
-        def poster(asks: bool) -> Callable[[bytes], Awaitable[httpx.Response]]:
+        def poster(want: WorkAsk | None) -> Callable[[bytes], Awaitable[httpx.Response]]:
             async def post(body: bytes) -> httpx.Response:
-                ask = self._lease_ask() if asks else None
+                ask = self._lease_ask(want) if want else None
                 if ask is not None:  # `body` is a JSON object: the lease goes in as one more member
                     body = b'%s,"lease":%s}' % (body[:-1], ask[0])
                 resp = await self.client.report(path, body)
@@ -611,11 +627,13 @@ class Agent:
         left = len(buf) if limit is None else limit
         while left > 0 and buf:
             batch = buf[: min(left, MAX_REPORT_BATCH)]
-            await deliver(poster(lease and self._wants_work(batch)), key, batch, replace, f"{path} reports")
+            want = self._wants_work(batch) if lease else None
+            await deliver(poster(want), key, batch, replace, f"{path} reports")
             del buf[: len(batch)]
             left -= len(batch)
             if lease:
-                self._asks_work.difference_update(c.get("task_id") for c in batch)
+                for c in batch:
+                    self._asks_work.pop(str(c.get("task_id")), None)
 
     async def _flush(self) -> None:
         while self._completions or self._events:
