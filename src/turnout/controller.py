@@ -369,6 +369,7 @@ class Controller:
         self._fleet_cache = None
         self._known = set()  # re-read on the next miss
         self._queued_tenants = None
+        self.runs.forget_kept()
 
     def workers(self) -> list[Worker]:
         return self.store.list_workers()
@@ -647,7 +648,8 @@ class Controller:
         got = self.lease(worker_id, **ask)
         if not any(le.task.pipeline_run_id for le in got.leases):
             return got
-        return replace(got, leases=list(self.runs.chain_hints(self._worker(worker_id), got.leases)))
+        worker = self._fleet().get(worker_id) or self._worker(worker_id)  # as `lease` saw it
+        return replace(got, leases=list(self.runs.chain_hints(worker, got.leases)))
 
     def complete(self, worker_id: str, completions: Sequence[Completion]) -> tuple[list[str], list[str]]:
         """Commit results; returns (accepted, refused). See `settle`."""

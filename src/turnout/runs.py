@@ -19,6 +19,7 @@ the controller did not decide: a chained stage's task, events and result exist o
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
     from turnout.controller import Controller
 
 MAX_NOTED = 1024  # stage tasks `take_queued` remembers between calls (sweeps may queue many with no call)
+RUNS_KEPT = 1024  # runs whose stages `chain_hints` knows without a read
 
 
 @dataclass
@@ -95,6 +97,8 @@ class PipelineRuns:
         self.store: RunRecords = controller.store.runs
         # stage tasks queued since last asked (`take_queued`): lease polls should wake
         self.stages_queued: list[Task] = []
+        # runs started or read here, for their stages and gpu, which never change (`chain_hints`)
+        self._kept: collections.OrderedDict[str, PipelineRun] = collections.OrderedDict()
 
     def pipeline(self, name: str) -> Pipeline:
         found = self.ctrl.settings.pipelines.get(name)
@@ -123,6 +127,7 @@ class PipelineRuns:
         first = self._stage_task(run, 0, [], now)
         run = replace(run, task_ids=(first.id,))
         self.store.insert_run(run)
+        self._keep(run)
         self._queue(first, noted=False)  # the caller wakes the lease polls for it (`Service.tasks_queued`)
         return run, first
 
@@ -145,6 +150,15 @@ class PipelineRuns:
                         labels={"pipeline": run.pipeline, "stage": str(index)})  # fmt: skip
         return Task(id=new_id("t_"), tenant=run.tenant, spec=spec, state=TaskState.QUEUED, created_at=now,
                     queued_at=now, pipeline_run_id=run.id)  # fmt: skip
+
+    def _keep(self, run: PipelineRun) -> None:
+        self._kept[run.id] = run
+        if len(self._kept) > RUNS_KEPT:
+            self._kept.popitem(last=False)
+
+    def forget_kept(self) -> None:
+        """Drop the runs kept (a transaction that started some was lost)."""
+        self._kept.clear()
 
     def get(self, tenant: str | None, run_id: str) -> PipelineRun:
         run = self.store.get_run(run_id)
@@ -224,9 +238,12 @@ class PipelineRuns:
         step = next_step(run.stages, started)
         now = self.ctrl.clock()
         new: list[Task] = []  # the stages this step creates, in order; only the last may be unfinished
+        active: dict[
+            str, Sequence[Task]
+        ] = {}  # each worker's active tasks: unchanged until this step's insert
         while step.next_stage is not None:
             task = self._stage_task(run, step.next_stage, started, now)
-            chained = self._chain_of(task, started[-1], chains, now) if chains else None
+            chained = self._chain_of(task, started[-1], chains, now, active) if chains else None
             report = chains.reports.get(chained.id) if chains and chained else None
             if (
                 chained is None
@@ -267,7 +284,9 @@ class PipelineRuns:
         tasks: list[Task | None] = [by_id.get(tid) for tid in now_run.task_ids]
         return now_run, tasks + [None] * (len(run.stages) - len(tasks))
 
-    def _chain_of(self, task: Task, parent: Task, chains: Chains, now: float) -> Task | None:
+    def _chain_of(
+        self, task: Task, parent: Task, chains: Chains, now: float, active: dict[str, Sequence[Task]]
+    ) -> Task | None:
         """The next stage as the chained task the parent's worker started, if it named one that can stand."""
         child = chains.claimed.get(parent.id)
         if child is None:
@@ -275,7 +294,7 @@ class PipelineRuns:
         if child in chains.taken:
             return None  # the id is taken (never by chance: 48 random bits per millisecond)
         since = min(now, max(parent.created_at, chains.started_at.get(child, now)))
-        return self._chained(task, parent, child, since)
+        return self._chained(task, parent, child, since, active)
 
     # ---- chained stages ----------------------------------------------------------------------
 
@@ -286,7 +305,15 @@ class PipelineRuns:
                   if le.task.pipeline_run_id and le.batch is None}  # fmt: skip
         if not staged or worker.state is not WorkerState.HEALTHY:
             return leases
-        runs = {r.id: r for r in self.store.get_runs(sorted(set(staged.values())))}
+        # a stage's lease means its run was running as the lease was made; a run kept here since its start
+        # may have been cancelled since, which the stage's settling finds (its chain is then refused)
+        wanted = sorted(set(staged.values()))
+        runs = {rid: self._kept[rid] for rid in wanted if rid in self._kept}
+        for read in (
+            self.store.get_runs([rid for rid in wanted if rid not in runs]) if len(runs) < len(wanted) else ()
+        ):
+            runs[read.id] = read
+            self._keep(read)
         healthy = self._healthy()
         now = self.ctrl.clock()
         out = []
@@ -311,17 +338,23 @@ class PipelineRuns:
             out.append(replace(le, chain=tuple(steps)) if steps else le)
         return out
 
-    def _chained(self, task: Task, parent: Task, child_id: str, since: float) -> Task | None:
+    def _chained(
+        self, task: Task, parent: Task, child_id: str, since: float, active: dict[str, Sequence[Task]]
+    ) -> Task | None:
         """`task` (the next stage, as it would be queued) as the chained task `child_id` that the parent's
         worker started at `since`, leased to it; None where the chain cannot stand and the stage is queued
-        instead. Its task is created as of when it started, so its queue time is the hand-off's, not negative."""
+        instead. Its task is created as of when it started, so its queue time is the hand-off's, not negative.
+        `active`: the workers' active tasks as read so far in this step (a stage chained after one settled in
+        the same report takes the room that one left, and the step inserts them together at its end)."""
         worker = self.ctrl._fleet().get(parent.worker_id or "")
         if worker is None or worker.state is not WorkerState.HEALTHY or not TASK_ID.match(child_id):
             return None
         cpu_res = placement.needs(worker.offers(task.spec.capability).get(Device.CPU), task)
         if cpu_res is None:
             return None
-        room = placement.room_of(worker, self.ctrl.store.active_tasks([worker.id]))
+        if worker.id not in active:
+            active[worker.id] = self.ctrl.store.active_tasks([worker.id])
+        room = placement.room_of(worker, active[worker.id])
         decided = self._route(task, placement.fits(room, cpu_res), self._healthy())
         if decided is None:
             return None

@@ -175,3 +175,21 @@ def test_a_record_read_is_a_copy_changing_it_changes_nothing_stored(store: Store
     first.spec.input["n"] = 99
     again = store.get_task("t_000001")
     assert again is not None and again.isolation == {"keys": ["a"]} and again.spec.input == {"n": 1}
+
+
+def test_every_read_of_a_task_gives_the_same_record(store: Store) -> None:
+    """A task by id, by ids, among a worker's active tasks, and in a listing: one record, however each is read
+    (on SQLite the first three run on the driver's cursor, the listing through SQLAlchemy)."""
+    grant = GpuGrant(("GPU-a",), (0,), 2**30, True, "Fake GPU", False, 24 * 2**30)
+    task = replace(
+        _task(1), state=TaskState.LEASED, worker_id="w_1", device=Device.GPU, gpus=grant, gpu_model="Fake GPU",
+        alloc=Allocation(cpu=0.5, memory=2**20, gpu_share=1.0), routing=Routing(requested="prefer", device="gpu"),
+        output={"deep": [1, 2.5, None, {"x": "é"}]}, error=None, isolation={"mode": "sandbox"},
+        usage={"peak_rss_bytes": 123}, leased_at=1001.25, attempts=1,
+    )  # fmt: skip
+    store.insert_tasks([task])
+    by_id = store.get_task(task.id)
+    assert by_id == task
+    assert store.get_tasks([task.id, "t_missing"]) == [task]
+    assert store.active_tasks(["w_1", "w_other"]) == [task] and store.active_tasks([]) == []
+    assert store.list_tasks(tenant=None) == [task]

@@ -13,6 +13,7 @@ import pytest
 from tests.inprocess.conftest import Api, Worker
 from turnout.access import Principal
 from turnout.api.fastpath import FastPath
+from turnout.api.pipelines import RunIn
 from turnout.api.schemas import CompleteIn, FastJSON, TaskIn
 from turnout.auth import WorkerCredential
 from turnout.errors import NotFound, RateLimited
@@ -84,8 +85,12 @@ def fast_path(api: Api, answered: list[Any]) -> tuple[FastPath, Rest]:
             raise RateLimited("too many submissions", retry_after_s=2.5)
         return FastJSON({"submitted": True}, status_code=201)
 
+    async def started(name: str, body: RunIn, wait: float, p: Principal) -> FastJSON:
+        answered.append((name, body, wait, p))
+        return FastJSON({"started": True}, status_code=201)
+
     rest = Rest()
-    return FastPath(rest, api.service, complete=answer, submit=submitted), rest
+    return FastPath(rest, api.service, complete=answer, submit=submitted, start_run=started), rest
 
 
 async def test_a_plain_report_is_answered_without_the_route(api: Api, worker: Worker) -> None:
@@ -216,3 +221,51 @@ async def test_an_unsure_submission_goes_to_the_route_with_its_body_intact(api: 
     status, answer = await call(app, path, hdrs, body, query)
     assert (status, answer, answered) == (200, {"route": True}, [])
     assert rest.bodies == [body]
+
+
+RUN = {"input": {"text": "hi"}}
+
+
+@pytest.mark.parametrize(
+    ("query", "wait"), [(b"", 0.0), (b"wait=60", 60.0), (b"wait=0.25", 0.25), (b"wait=3600", 3600.0)]
+)
+async def test_a_plain_run_start_is_answered_without_the_route(api: Api, query: bytes, wait: float) -> None:
+    answered: list[Any] = []
+    app, rest = fast_path(api, answered)
+    status, body = await call(app, "/v1/pipelines/classify/runs", await submitter(api), json.dumps(RUN).encode(),
+                              query)  # fmt: skip
+    assert (status, body, rest.bodies) == (201, {"started": True}, [])
+    [(name, run, waited, principal)] = answered
+    assert (name, run, waited) == ("classify", RunIn.model_validate(RUN), wait)
+    assert principal.home_tenant == "acme"
+
+
+@pytest.mark.parametrize(
+    "query",
+    [b"wait=3601", b"wait=-1", b"wait=abc", b"wait=1e2", b"wait=nan", b"wait=", b"wait=1&wait=2", b"wait=1&x=2",
+     b"x=1", b"wait=%FF", b"wait", b"&&"],
+)  # fmt: skip
+async def test_a_run_start_with_any_other_query_goes_to_the_route_with_its_body_intact(
+    api: Api, query: bytes
+) -> None:
+    answered: list[Any] = []
+    app, rest = fast_path(api, answered)
+    body = json.dumps(RUN).encode()
+    status, answer = await call(app, "/v1/pipelines/classify/runs", await submitter(api), body, query)
+    assert (status, answer, answered, rest.bodies) == (200, {"route": True}, [], [body])
+
+
+@pytest.mark.parametrize("case", ["read token", "bad body", "NaN", "another pipeline route"])
+async def test_an_unsure_run_start_goes_to_the_route(api: Api, case: str) -> None:
+    answered: list[Any] = []
+    app, rest = fast_path(api, answered)
+    hdrs = await submitter(api, "read" if case == "read token" else "submit")
+    path, body = "/v1/pipelines/classify/runs", json.dumps(RUN).encode()
+    if case == "bad body":
+        body = json.dumps({"input": {}, "sneaky": 1}).encode()
+    elif case == "NaN":
+        body = b'{"input": {"x": NaN}}'
+    elif case == "another pipeline route":
+        path = "/v1/pipeline-runs/r_0123456789abcdef01234567/cancel"
+    status, answer = await call(app, path, hdrs, body)
+    assert (status, answer, answered, rest.bodies) == (200, {"route": True}, [], [body])

@@ -60,8 +60,10 @@ def create_app(service: Service) -> FastAPI:
     metrics = prometheus.Metrics(service.controller)
     worker_routes = protocol.router(service, guards, metrics)
     task_routes = tasks.router(service, guards)
-    # inside the limits: reports and single submissions answered without FastAPI's machinery when plain
-    app.add_middleware(FastPath, service=service, complete=worker_routes.complete, submit=task_routes.submit)
+    pipeline_routes = pipelines.router(service, guards)
+    # inside the limits: reports, single submissions and run starts answered without FastAPI's machinery when plain
+    app.add_middleware(FastPath, service=service, complete=worker_routes.complete, submit=task_routes.submit,
+                       start_run=pipeline_routes.start)  # fmt: skip
     app.add_middleware(BodyLimit, limits=settings.request_limits)
     app.add_middleware(SubmitGate, service=service)  # outermost: 429 over the rate, body unread
 
@@ -77,7 +79,7 @@ def create_app(service: Service) -> FastAPI:
     app.include_router(lifeline.router(service, guards.this_worker()))  # held by the worker as it heartbeats
     app.include_router(dashboard.router(service, guards))
     app.mount("/static", dashboard.static_files(), name="static")
-    app.include_router(pipelines.router(service, guards))
+    app.include_router(pipeline_routes.router)
     if settings.storage_dir is not None:  # a controller built without storage (some tests) has no files
         app.include_router(files.router(service, guards))
     return app

@@ -1,13 +1,16 @@
 """The hot routes answered without FastAPI's per-request machinery, when they could be answered no other way.
 
-A worker's report (`POST /v1/workers/{id}/complete`, once per finished task or batch from every worker) and a
-single submission (`POST /v1/tasks`, once per task from every client submitting one at a time). Routing through
+A worker's report (`POST /v1/workers/{id}/complete`, once per finished task or batch from every worker), a
+single submission (`POST /v1/tasks`, once per task from every client submitting one at a time) and a pipeline
+run's start (`POST /v1/pipelines/{name}/runs`, with or without `?wait=S`). Routing through
 the included routers, solving the caller's check as a dependency, and building the request and the response
 objects took about as much of the controller's event loop as the work itself. `FastPath` answers them
-directly, with the routes' own answers (`protocol.WorkerRoutes.complete`, `tasks.TaskRoutes.submit`), when the
-caller is plainly allowed by what is cached (a token already verified; for a report, the worker's credential
-and its secret) and the body is JSON that the route's model validates. Anything else (an unknown token, a wrong
-secret, a role that may not, a body the model refuses, another content type, a query string) goes on to the
+directly, with the routes' own answers (`protocol.WorkerRoutes.complete`, `tasks.TaskRoutes.submit`,
+`pipelines.PipelineRoutes.start`), when the caller is plainly allowed by what is cached (a token already
+verified; for a report, the worker's credential and its secret), the body is JSON that the route's model
+validates, and the query string is one the route takes, written plainly. Anything else (an unknown token, a
+wrong secret, a role that may not, a body the model refuses, another content type, any other query string) goes
+on to the
 route with the body replayed, so every refusal is the route's own, word for word. An error the answer raises
 is rendered as the app's handlers render it. Limits stay with the middleware around this one (`BodyLimit`,
 `SubmitGate`).
@@ -19,6 +22,7 @@ import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qsl
 
 import pydantic
 from starlette.responses import Response
@@ -26,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from turnout.access import ANONYMOUS_OPERATOR, Action, Principal, allow
 from turnout.api.errors import error_response, unexpected_response
+from turnout.api.pipelines import MAX_WAIT_S, RunIn, StartAnswer
 from turnout.api.protocol import CompleteAnswer
 from turnout.api.schemas import CompleteIn, TaskIn
 from turnout.api.service import Service
@@ -37,42 +42,58 @@ from turnout.errors import TurnoutError
 
 REPORT = re.compile(r"/v1/workers/([A-Za-z0-9_]{1,64})/complete")
 SUBMIT = re.compile(r"/v1/tasks")
+START_RUN = re.compile(r"/v1/pipelines/([A-Za-z0-9_.-]{1,64})/runs")
+PLAIN_SECONDS = re.compile(
+    r"\d{1,4}(\.\d{1,6})?"
+)  # `wait=` as a client writes it; any other form: the route's
+
+
+Params = dict[str, Any]
 
 
 @dataclass(frozen=True)
 class _Route:
     """One hot route: its path, who may call it as far as the caches tell (None: unsure), its body's model,
-    and its answer."""
+    its query parameters as far as plainly written (None: only the route can tell), and its answer."""
 
     path: re.Pattern[str]
     caller: Callable[[dict[bytes, bytes], re.Match[str]], Any | None]
     model: type[pydantic.BaseModel]
-    answer: Callable[[re.Match[str], Any, Any], Awaitable[Response]]
+    answer: Callable[[re.Match[str], Any, Any, Params], Awaitable[Response]]
+    params: Callable[[bytes], Params | None] = lambda query: {} if not query else None
 
 
 class FastPath:
     """ASGI middleware: a hot route's own answer to a plain request, or the route itself when unsure."""
 
     def __init__(
-        self, app: ASGIApp, service: Service, complete: CompleteAnswer, submit: SubmitAnswer
+        self,
+        app: ASGIApp,
+        service: Service,
+        complete: CompleteAnswer,
+        submit: SubmitAnswer,
+        start_run: StartAnswer,
     ) -> None:
         self.app = app
         self.service = service
         self.routes = (
-            _Route(
-                REPORT, self._worker, CompleteIn, lambda found, body, me: complete(found.group(1), body, me)
-            ),
-            _Route(SUBMIT, self._submitter, TaskIn, lambda _, body, p: submit(body, p)),
-        )
+            _Route(REPORT, self._worker, CompleteIn,
+                   lambda found, body, me, _: complete(found.group(1), body, me)),
+            _Route(SUBMIT, self._submitter, TaskIn, lambda _, body, p, __: submit(body, p)),
+            _Route(START_RUN, self._submitter, RunIn,
+                   lambda found, body, p, q: start_run(found.group(1), body, q["wait"], p), _wait_only),
+        )  # fmt: skip
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        plain = (scope["type"] == "http" and scope["method"] == "POST" and not scope.get("query_string")
-                 and _json_content(scope))  # fmt: skip
+        plain = scope["type"] == "http" and scope["method"] == "POST" and _json_content(scope)
         route, found = next(
             ((r, m) for r in self.routes if plain and (m := r.path.fullmatch(scope["path"]))), (None, None)
         )
-        caller = route.caller(dict(scope["headers"]), found) if route and found else None
-        if route is None or found is None or caller is None:
+        params = route.params(scope.get("query_string", b"")) if route else None
+        caller = (
+            route.caller(dict(scope["headers"]), found) if route and found and params is not None else None
+        )
+        if route is None or found is None or params is None or caller is None:
             await self.app(scope, receive, send)
             return
         body = await _read(receive)
@@ -85,7 +106,7 @@ class FastPath:
             return
         response: Response
         try:
-            response = await route.answer(found, request, caller)
+            response = await route.answer(found, request, caller, params)
         except TurnoutError as exc:
             response = error_response(exc)
         except Exception as exc:
@@ -120,6 +141,20 @@ class FastPath:
             return None if principal is None else allow(principal, Action.SUBMIT)
         except TurnoutError:
             return None
+
+
+def _wait_only(query: bytes) -> Params | None:
+    """`?wait=S` (seconds, 0 to MAX_WAIT_S, plainly written) or nothing; None for anything else."""
+    try:
+        pairs = parse_qsl(query.decode("ascii"), keep_blank_values=True, strict_parsing=bool(query))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if not pairs:
+        return {"wait": 0.0}
+    if len(pairs) != 1 or pairs[0][0] != "wait" or not PLAIN_SECONDS.fullmatch(pairs[0][1]):
+        return None
+    wait = float(pairs[0][1])
+    return {"wait": wait} if wait <= MAX_WAIT_S else None
 
 
 def _json_content(scope: Scope) -> bool:

@@ -10,7 +10,8 @@ GET  /v1/pipelines                        what turnout.yaml configures
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
@@ -31,7 +32,19 @@ class RunIn(Strict):
     gpu: Annotated[Any, GPU_SCHEMA] = None  # for stages whose config sets no gpu of their own
 
 
-def router(service: Service, guards: Guards) -> APIRouter:
+StartAnswer = Callable[[str, RunIn, float, Principal], Awaitable[FastJSON]]  # (pipeline, body, wait, caller)
+MAX_WAIT_S = 3600.0  # a run's `?wait=`
+
+
+@dataclass(frozen=True)
+class PipelineRoutes:
+    """The pipeline routes, and the answer to a run's start, which `fastpath.py` also gives."""
+
+    router: APIRouter
+    start: StartAnswer
+
+
+def router(service: Service, guards: Guards) -> PipelineRoutes:
     """The pipeline routes. A run belongs to the tenant that started it: another tenant's run answers 404,
     as its tasks do."""
     api = APIRouter(route_class=StrictJsonRoute)
@@ -65,8 +78,14 @@ def router(service: Service, guards: Guards) -> APIRouter:
 
     @api.post("/v1/pipelines/{name}/runs", status_code=201, response_class=FastJSON)
     async def start(
-        name: str, body: RunIn, wait: float = Query(0, ge=0, le=3600), p: Principal = need(Action.SUBMIT)
+        name: str,
+        body: RunIn,
+        wait: float = Query(0, ge=0, le=MAX_WAIT_S),
+        p: Principal = need(Action.SUBMIT),
     ) -> FastJSON:
+        return await start_answer(name, body, wait, p)
+
+    async def start_answer(name: str, body: RunIn, wait: float, p: Principal) -> FastJSON:
         check_task_size(body.input, {}, limits)
         gpu = GpuMode.parse(body.gpu, "gpu") if body.gpu is not None else None
         first = runs.pipeline(name).stages[0]  # 404 for a pipeline not configured, before any token is taken
@@ -116,7 +135,7 @@ def router(service: Service, guards: Guards) -> APIRouter:
         service.changed()
         return await answer(p.scope, run_id, 0)
 
-    return api
+    return PipelineRoutes(api, start_answer)
 
 
 def run_out(run: PipelineRun, tasks: Sequence[Task | None], prices: Prices) -> dict[str, Any]:
