@@ -210,6 +210,9 @@ class SqlStore:
                 out, fresh = _dedupe(tasks, self._tasks_by_key(conn, keyed) if keyed else {})
                 if not fresh:
                     return out
+                if not keyed and self.dialect == "sqlite":
+                    _sqlite_insert_tasks(conn, fresh)
+                    return out
                 if not keyed:
                     conn.execute(T.insert(), fresh)
                     return out
@@ -463,6 +466,8 @@ class SqlStore:
             return self._update_tasks_together(changes)
         done: list[str] = []
         with self._write() as conn:
+            if self.dialect == "sqlite":
+                return _sqlite_update_tasks(conn, changes)
             for task_id, states, attempts, values in changes:
                 query = _task_update(tuple(s.value for s in states), attempts is not None, tuple(values))
                 params = {f"v_{k}": v for k, v in _encode(values).items()}
@@ -731,9 +736,8 @@ def _marks(n: int) -> str:
 
 
 def _sqlite_tasks(conn: sa.Connection, sql: str, params: Sequence[Any]) -> list[Task]:
-    raw = conn.connection.dbapi_connection
-    assert raw is not None
     out = []
+    raw = _sqlite_of(conn)
     for values in raw.execute(sql, params).fetchall():
         row = list(values)
         for i in _JSON_AT:
@@ -741,6 +745,55 @@ def _sqlite_tasks(conn: sa.Connection, sql: str, params: Sequence[Any]) -> list[
                 row[i] = json.loads(row[i])
         out.append(_task(_TaskRow(*row)))
     return out
+
+
+def _sqlite_of(conn: sa.Connection) -> sqlite3.Connection:
+    raw = conn.connection.dbapi_connection
+    assert isinstance(raw, sqlite3.Connection)
+    return raw
+
+
+def _column_value(name: str, value: Any) -> Any:
+    """A value as SQLAlchemy binds it to this column on SQLite: JSON columns as JSON text, None as NULL."""
+    return json.dumps(value) if name in _JSON_COLUMNS and value is not None else value
+
+
+_INSERT_TASK = f"INSERT INTO tasks ({', '.join(c.name for c in T.c)}) VALUES ({_marks(len(T.c))})"
+
+
+def _sqlite_insert_tasks(conn: sa.Connection, rows: Sequence[dict[str, Any]]) -> None:
+    names = [c.name for c in T.c]
+    _sqlite_of(conn).executemany(
+        _INSERT_TASK, [[_column_value(n, row.get(n)) for n in names] for row in rows]
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _sqlite_task_update(states: tuple[str, ...], with_attempts: bool, keys: tuple[str, ...]) -> str:
+    """`_task_update` as SQLite text: UPDATE tasks SET <keys> WHERE id = ? AND state IN <states> [AND
+    attempts = ?]."""
+    sets = ", ".join(f"{k} = ?" for k in keys)
+    listed = ", ".join(f"'{s}'" for s in states)  # TaskState values: our own words, never a client's
+    return f"UPDATE tasks SET {sets} WHERE id = ? AND state IN ({listed})" + (
+        " AND attempts = ?" if with_attempts else ""
+    )
+
+
+def _sqlite_update_tasks(
+    conn: sa.Connection, changes: Sequence[tuple[str, Sequence[TaskState], int | None, dict[str, Any]]]
+) -> list[str]:
+    raw = _sqlite_of(conn)
+    done: list[str] = []
+    for task_id, states, attempts, values in changes:
+        sql = _sqlite_task_update(tuple(s.value for s in states), attempts is not None, tuple(values))
+        encoded = _encode(values)
+        params = [_column_value(k, encoded[k]) for k in values]
+        params.append(task_id)
+        if attempts is not None:
+            params.append(attempts)
+        if raw.execute(sql, params).rowcount:
+            done.append(task_id)
+    return done
 
 
 def _json_text(value: Any) -> str | None:
