@@ -29,6 +29,12 @@ def count_gpu(ctx: Context, data: dict[str, Any]) -> dict[str, Any]:
     return {"n": len(data["words"]), "count_on": ctx.device, "count_saw": sorted(data)}
 
 
+@app.capability("tally", cpu=0.1, max_batch_size=8, max_batch_wait_ms=20)
+def tally(ctx: Context, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A batched stage: a list of inputs in, a list of outputs out, whether it was leased or chained."""
+    return [{"n": len(item["words"]), "tally_batch": len(items)} for item in items]
+
+
 @app.capability("report", cpu=0.1)
 def report(ctx: Context, data: dict[str, Any]) -> dict[str, Any]:
     return {"summary": f"{data['n']} words", "report_saw": sorted(data), "pid": os.getpid()}

@@ -25,6 +25,11 @@ pipelines:
       - {capability: split, gpu: never, timeout_s: 30}
       - {capability: count, gpu: prefer, timeout_s: 30}
       - {capability: report, gpu: never, timeout_s: 30}
+  tallied:
+    stages:
+      - {capability: split, gpu: never}
+      - {capability: tally, gpu: never}
+      - {capability: report, gpu: never}
   broken:
     stages:
       - {capability: split, gpu: never}
@@ -209,6 +214,19 @@ def test_stages_after_the_first_run_chained_on_its_worker_and_a_cancel_stops_the
     until(lambda: not pid_alive(pid), what="the chained stage's process to die")
     after = configured.api("GET", f"/v1/pipeline-runs/{run['id']}").json()
     assert [s["state"] for s in after["stages"]] == ["succeeded", "cancelled"]
+
+
+def test_a_batched_stage_chained_on_its_worker_gets_its_own_output_not_a_list(configured: Cluster) -> None:
+    """A chained stage is handed to the worker alone, outside any lease batch; a batched variant's handler
+    still takes a list and returns one, and the stage's output is that list's one item (the demo's
+    classify_text, chained after preprocess_text on a CPU worker, once lost its sentiment this way)."""
+    run = wait_run(configured, start_run(configured, "tallied", {"text": "a b c d"})["id"])
+    assert run["state"] == "succeeded", run
+    tally = run["stages"][1]
+    assert tally["reason"].startswith("chained after stage 0"), tally
+    task = configured.api("GET", f"/v1/tasks/{tally['task_id']}").json()
+    assert task["output"] == {"n": 4, "tally_batch": 1}
+    assert run["output"]["summary"] == "4 words"
 
 
 def test_unknown_pipeline_and_bad_run_input_are_refused_naming_the_field(configured: Cluster) -> None:

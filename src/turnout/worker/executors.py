@@ -202,7 +202,9 @@ class Executor:
         """
         first = leases[0]
         runnable = self.runnable(first["capability"], first["device"])
-        batched = runnable is not None and runnable.batch_line is not None and first.get("batch") is not None
+        # a batched variant's process always gets a batch line, also for a task leased or chained alone: its
+        # handler takes a list and returns one, and each task keeps its own item of it
+        batched = runnable is not None and runnable.batch_line is not None
         sink = routed(sinks, batched)
         cold_start_s: float | None = None
         isolation: Isolation | None = None
