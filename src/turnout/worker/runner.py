@@ -14,6 +14,9 @@ naming the path (`output.scores.2`), and the process serves the next task.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import json
 import os
 import resource
@@ -81,6 +84,43 @@ def _limit_torch_memory() -> None:
         print(f"turnout: could not set torch memory fraction: {exc}", file=sys.stderr)
 
 
+class _LimitOnTorchImport(importlib.abc.MetaPathFinder):
+    """Applies the memory limit the moment torch finishes importing, wherever the handler imports it.
+
+    A handler without `setup` that imports torch inside its first call would otherwise run that call, and
+    every later one, with the whole GPU's memory: the share would hold only on paper.
+    """
+
+    def find_spec(
+        self, name: str, path: Any = None, target: Any = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)  # once, and out of the way of the finders that really find torch
+        spec = importlib.util.find_spec(name)
+        loader = spec.loader if spec is not None else None
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run_module = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run_module(module)
+            _limit_torch_memory()
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def limit_gpu_memory() -> None:
+    """Limit torch now if it is loaded, else as soon as it is (no-op without a shared-GPU limit)."""
+    if not os.environ.get("TURNOUT_GPU_MEMORY_FRACTION"):
+        return
+    if "torch" in sys.modules:
+        _limit_torch_memory()
+    elif not any(isinstance(f, _LimitOnTorchImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _LimitOnTorchImport())
+
+
 def _torch_cuda() -> Any:
     """torch.cuda where the handler imported torch and a GPU is visible; else None (nothing to measure)."""
     torch = sys.modules.get("torch")
@@ -135,6 +175,7 @@ def main(argv: list[str]) -> int:
         app = load_app(app_ref)
         hv = app.variants[f"{capability}:{device}"]
         torch_device = "cuda:0" if device == "gpu" and os.environ.get("CUDA_VISIBLE_DEVICES") else "cpu"
+        limit_gpu_memory()  # before setup: a model loaded there counts against the task's share too
         if app.setup_fn is not None:
             send(
                 {"event": "worker", "status": "loading", "message": f"setup of {app.name} on {torch_device}"}
@@ -149,8 +190,6 @@ def main(argv: list[str]) -> int:
                 }
             )
             hv.setup(torch_device)
-        if app.setup_fn is not None or hv.setup is not None:
-            _limit_torch_memory()
     except Exception as exc:
         send({"event": "finish", "status": "failed", "error": {**_error(exc), "type": "setup_failed"}})
         return 3
