@@ -215,6 +215,25 @@ def test_gpu_oom_retries_on_another_gpu_not_blindly_the_same(h: Harness) -> None
     assert h.task(t).routing.avoid_gpus == first.grant.uuids  # type: ignore[union-attr]
 
 
+def test_gpu_oom_with_no_other_gpu_fails_with_the_oom_not_a_bare_no_capacity(h: Harness) -> None:
+    """Seen on a real H100: a share that ran out of memory on the only GPU was retried, found no other GPU, and
+    failed `no_capacity`, which hid the out-of-memory the user must fix."""
+    w = h.worker(variants=[SHOUT_GPU], gpus=1)
+    t = h.submit(gpu=GpuMode.REQUIRE, placement_timeout_s=30.0)
+    [first] = h.lease(w)
+    h.fail(w, first, "gpu_oom")
+    h.clock.advance(2.0)
+    assert h.lease(w) == []  # the only GPU is the one it ran out of memory on
+    h.ctrl.reap()  # the clock starts
+    h.silent_for(31.0)
+    assert h.ctrl.reap()
+    error = h.task(t).error
+    assert h.state(t) is TaskState.FAILED and error is not None
+    assert error["type"] == "gpu_oom"
+    assert error["message"].startswith("gpu_oom; its retry found no other place: no live worker offers")
+    assert first.grant is not None and first.grant.uuids[0] in error["message"]
+
+
 def test_a_lease_that_never_reached_its_worker_goes_back_without_counting_as_a_retry(h: Harness) -> None:
     w = h.worker()
     t = h.submit(gpu=GpuMode.NEVER, max_retries=0)
