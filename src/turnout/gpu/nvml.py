@@ -21,6 +21,12 @@ from turnout.gpu.provider import ProviderError
 T = TypeVar("T")
 _MIG_PROFILE = re.compile(r"MIG\s+(\S+)\s*$")
 _MAX_EVENTS_PER_SAMPLE = 64
+# what a driver without nvmlDeviceGetMemoryInfo_v2 answers it: the first call is asked instead
+_NO_MEMORY_V2 = (
+    "NVML_ERROR_NOT_SUPPORTED",
+    "NVML_ERROR_FUNCTION_NOT_FOUND",
+    "NVML_ERROR_ARGUMENT_VERSION_MISMATCH",
+)
 
 
 def _text(raw: Any) -> str:
@@ -74,9 +80,28 @@ class NvmlProvider:
         self._events = self._register_xid_events()
         return devices
 
+    def _memory(self, handle: Any) -> Any:
+        """The device's memory, `used` without what the driver reserves (as nvidia-smi counts it).
+
+        NVML's first memory call counts the driver's reservation as used: an idle H100 80GB reads 480 MiB used
+        there and 0 in nvidia-smi, so the same GPU read differently with each provider. The v2 call (R510+)
+        keeps the reservation apart; drivers and pynvml releases without it answer with the first.
+        """
+        nv = self._nvml
+        version = getattr(nv, "nvmlMemory_v2", None)
+        if version is not None:
+            try:
+                return nv.nvmlDeviceGetMemoryInfo(handle, version=version)
+            except TypeError:  # a pynvml whose call takes no version
+                pass
+            except nv.NVMLError as exc:
+                if getattr(exc, "value", None) not in {getattr(nv, name, None) for name in _NO_MEMORY_V2}:
+                    raise
+        return nv.nvmlDeviceGetMemoryInfo(handle)
+
     def _device(self, index: int, handle: Any, driver: str | None, cuda: str | None) -> GpuDevice:
         nv = self._nvml
-        memory = nv.nvmlDeviceGetMemoryInfo(handle)
+        memory = self._memory(handle)
         cc = self._maybe(nv.nvmlDeviceGetCudaComputeCapability, handle)
         pci = self._maybe(nv.nvmlDeviceGetPciInfo, handle)
         mode = self._maybe(nv.nvmlDeviceGetMigMode, handle)
@@ -123,7 +148,7 @@ class NvmlProvider:
     def _reading(self, uuid: str, handle: Any, xids: tuple[int, ...]) -> GpuMetrics:
         nv = self._nvml
         try:
-            memory = nv.nvmlDeviceGetMemoryInfo(handle)
+            memory = self._memory(handle)
         except nv.NVMLError as exc:
             lost = getattr(exc, "value", None) == nv.NVML_ERROR_GPU_IS_LOST
             return GpuMetrics(

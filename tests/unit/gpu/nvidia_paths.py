@@ -8,9 +8,16 @@ from pathlib import Path
 NVIDIA_FIXTURES = Path(__file__).resolve().parents[3] / ".." / "shared" / "fixtures" / "nvidia"
 
 
+# captures this project made on real GPU hosts (tests/fixtures/nvidia/SOURCES.md)
+OWN_FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "nvidia"
+
+
 def nvidia_samples(kind: str, pattern: str = "*") -> list[Path]:
-    """Every sample of one kind (smi-xml, smi-csv, smi-list, proc), so a new file is picked up automatically."""
-    return sorted(p for p in (NVIDIA_FIXTURES / kind).glob(pattern) if p.is_file())
+    """Every sample of one kind (smi-xml, smi-csv, smi-list, proc), shared and our own, so a new file is
+    picked up automatically."""
+    return sorted(
+        p for root in (NVIDIA_FIXTURES, OWN_FIXTURES) for p in (root / kind).glob(pattern) if p.is_file()
+    )
 
 
 def cut_mid_line(text: str) -> str:

@@ -7,6 +7,7 @@ raises `NVMLError_NotFound`, and the Xid event set times out when nothing is pen
 
 from __future__ import annotations
 
+import xml.etree.ElementTree as ET
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 import pynvml
 
 from turnout.gpu.devices import GpuDevice, GpuMetrics
-from turnout.gpu.smi import devices_from_xml, metrics_from_xml
+from turnout.gpu.smi import devices_from_xml, metrics_from_xml, number
 
 
 @dataclass(frozen=True)
@@ -29,8 +30,11 @@ class StandInNvml:
     NVMLError = pynvml.NVMLError
 
     def __init__(self, devices: list[GpuDevice], readings: list[GpuMetrics], *, init_error: int | None = None,
-                 driver: str = "535.54.03", cuda: int = 12020) -> None:  # fmt: skip
+                 driver: str = "535.54.03", cuda: int = 12020, reserved: dict[str, int] | None = None,
+                 memory_v2: bool = True) -> None:  # fmt: skip
         self._devices = devices
+        self._reserved = reserved or {}  # what the driver keeps for itself, by GPU UUID
+        self.memory_v2 = memory_v2  # False: a driver older than R510, which has no nvmlDeviceGetMemoryInfo_v2
         self._readings = {m.uuid: m for m in readings}
         self._init_error = init_error
         self._driver, self._cuda = driver, cuda
@@ -39,7 +43,7 @@ class StandInNvml:
         self.calls = 0
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith(("NVML_", "nvmlEventType")):
+        if name.startswith(("NVML_", "nvmlEventType", "nvmlMemory_v")):
             return getattr(pynvml, name)  # the real constants
         raise AttributeError(name)
 
@@ -88,14 +92,22 @@ class StandInNvml:
         dev = self._gpu(h)
         return dev.uuid if h.mig is None else dev.mig_devices[h.mig].uuid
 
-    def nvmlDeviceGetMemoryInfo(self, h: Handle) -> SimpleNamespace:
+    def nvmlDeviceGetMemoryInfo(self, h: Handle, version: int | None = None) -> SimpleNamespace:
+        """As NVML answers: the first call counts the driver's reservation as used, v2 keeps it apart."""
         dev = self._gpu(h)
+        if version is not None and not self.memory_v2:
+            self._fail(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
         if h.mig is not None:
             total = dev.mig_devices[h.mig].memory_total_bytes
-            return SimpleNamespace(total=total, free=total, used=0)
+            return SimpleNamespace(total=total, free=total, used=0, reserved=0)
         used = self._readings[dev.uuid].memory_used_bytes or 0
+        reserved = self._reserved.get(dev.uuid, 0)
+        if version is None:
+            used += reserved
         return self._answer(
-            SimpleNamespace(total=dev.memory_total_bytes, free=dev.memory_free_bytes, used=used)
+            SimpleNamespace(
+                total=dev.memory_total_bytes, free=dev.memory_free_bytes, used=used, reserved=reserved
+            )
         )
 
     def nvmlDeviceGetCudaComputeCapability(self, h: Handle) -> tuple[int, int]:
@@ -171,7 +183,13 @@ class StandInNvml:
     def nvmlEventSetFree(self, event_set: object) -> None: ...
 
 
-def standin_from_xml(path: Path, **options: Any) -> StandInNvml:
-    """A stand-in answering what the `nvidia-smi -q -x` capture at `path` shows."""
+def standin_from_xml(path: Path, caps: dict[str, str] | None = None, **options: Any) -> StandInNvml:
+    """A stand-in answering what the `nvidia-smi -q -x` capture at `path` shows (`caps`: compute capability
+    by UUID, which that capture does not carry)."""
     text = path.read_text()
-    return StandInNvml(devices_from_xml(text), metrics_from_xml(text), **options)
+    devices = devices_from_xml(text, caps=caps)
+    reserved = {}
+    for dev, gpu in zip(devices, ET.fromstring(text).iter("gpu"), strict=True):
+        if (mib := number(gpu.findtext("fb_memory_usage/reserved"))) is not None:
+            reserved[dev.uuid] = int(mib) * 1024**2
+    return StandInNvml(devices, metrics_from_xml(text), reserved=reserved, **options)
