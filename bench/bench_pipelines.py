@@ -10,6 +10,7 @@
 
     python -m bench --only pipelines [--quick]           all three parts
     python -m bench.bench_pipelines --overhead [--quick]  only part 3 (no model is loaded)
+    python -m bench.bench_pipelines --gpu [--quick]       parts 1 and 2 on a real NVIDIA GPU (`gpu: require`)
 """
 
 from __future__ import annotations
@@ -39,16 +40,18 @@ TEXTS = [
 ]  # fmt: skip
 
 
-def _result(http: httpx.Client, task_id: str) -> dict[str, Any]:
-    while True:
+def _result(http: httpx.Client, task_id: str, timeout_s: float = 600) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         task = http.get(f"/v1/tasks/{task_id}/result", params={"wait": 30}).json()
         if task["state"] in ("succeeded", "failed", "cancelled"):
             return task
+    raise TimeoutError(f"task {task_id} did not end in {timeout_s:g} s")
 
 
-def _one(http: httpx.Client, capability: str, data: Any) -> tuple[float, dict[str, Any]]:
+def _one(http: httpx.Client, capability: str, data: Any, gpu: str = "never") -> tuple[float, dict[str, Any]]:
     started = time.perf_counter()
-    task = http.post("/v1/tasks", json={"capability": capability, "input": data, "gpu": "never"}).json()
+    task = http.post("/v1/tasks", json={"capability": capability, "input": data, "gpu": gpu}).json()
     done = _result(http, task["id"])
     return time.perf_counter() - started, done
 
@@ -58,20 +61,25 @@ def _pool_size(http: httpx.Client, key: str) -> int:
     return sum(int((w.get("pools") or {}).get(key, {}).get("size", 0)) for w in workers)
 
 
-def run(quick: bool = False, overhead_only: bool = False) -> dict[str, Any]:
+def run(quick: bool = False, overhead_only: bool = False, gpu: bool = False) -> dict[str, Any]:
+    """`gpu`: the model parts on this host's real GPU (the worker finds it with `--gpus auto`), no overhead part."""
     procs = Processes()
     with tempfile.TemporaryDirectory(prefix="bench-pipelines-") as tmp:
         c = TurnoutCluster(Path(tmp), procs, heartbeat_s=0.5)
         (Path(tmp) / "turnout.yaml").write_text(CONFIG)
         try:
             _start_controller(c, Path(tmp) / "turnout.yaml")
-            c.start_worker("bench.model_app:app", "w", extra=["--cpus", "2"])
+            c.start_worker(
+                "bench.model_app:app", "w", extra=["--cpus", "2", *(["--gpus", "auto"] if gpu else [])]
+            )
             http = httpx.Client(base_url=c.url, headers=c.headers, timeout=120)
             out: dict[str, Any] = {}
+            placement = "require" if gpu else "never"
             if not overhead_only:  # the model parts first, as they always ran
-                out["warm_cold"] = _warm_cold(http, 3 if quick else 5)
-                out["batching"] = _batching(http, 64 if quick else 256)
-            out["pipeline_overhead"] = _overhead(http, 10 if quick else 30)
+                out["warm_cold"] = _warm_cold(http, 3 if quick else 5, placement)
+                out["batching"] = _batching(http, 64 if quick else 256, placement)
+            if not gpu:
+                out["pipeline_overhead"] = _overhead(http, 10 if quick else 30)
             return out
         finally:
             procs.stop_all()
@@ -92,28 +100,28 @@ def _start_controller(c: TurnoutCluster, config: Path) -> None:
     c.token = (c.tmp / "home" / "admin.token").read_text().strip()
 
 
-def _warm_cold(http: httpx.Client, n: int) -> dict[str, Any]:
-    _one(http, "classify_warm", {"text": TEXTS[0]})  # loads the model once
-    warm = [_one(http, "classify_warm", {"text": TEXTS[i % 4]})[0] for i in range(n * 4)]
+def _warm_cold(http: httpx.Client, n: int, gpu: str) -> dict[str, Any]:
+    _, first = _one(http, "classify_warm", {"text": TEXTS[0]}, gpu)  # loads the model once
+    warm = [_one(http, "classify_warm", {"text": TEXTS[i % 4]}, gpu)[0] for i in range(n * 4)]
     cold = []
+    pool = "classify_cold:gpu" if gpu == "require" else "classify_cold:cpu"
     for i in range(n):
         deadline = time.monotonic() + 30
-        while _pool_size(http, "classify_cold:cpu") and time.monotonic() < deadline:
+        while _pool_size(http, pool) and time.monotonic() < deadline:
             time.sleep(0.1)  # idle_timeout_s=0: wait until its last process is gone, so this task starts one
-        seconds, task = _one(http, "classify_cold", {"text": TEXTS[i % 4]})
+        seconds, task = _one(http, "classify_cold", {"text": TEXTS[i % 4]}, gpu)
         assert task["cold_start_s"] and task["cold_start_s"] > 0.5, task
         cold.append(seconds)
     w, c = statistics.median(warm), statistics.median(cold)
     return {"warm_p50_s": round(w, 4), "cold_p50_s": round(c, 3), "cold_over_warm": round(c / w, 1),
-            "warm_n": len(warm), "cold_n": len(cold)}  # fmt: skip
+            "warm_n": len(warm), "cold_n": len(cold), "device": first.get("device"),
+            "model_device": (first.get("output") or {}).get("model_device")}  # fmt: skip
 
 
-def _throughput(http: httpx.Client, capability: str, n: int) -> float:
-    _one(http, capability, {"text": TEXTS[0]})  # warm: the model is loaded before timing
+def _throughput(http: httpx.Client, capability: str, n: int, gpu: str) -> float:
+    _one(http, capability, {"text": TEXTS[0]}, gpu)  # warm: the model is loaded before timing
     body = {
-        "tasks": [
-            {"capability": capability, "input": {"text": TEXTS[i % 4]}, "gpu": "never"} for i in range(n)
-        ]
+        "tasks": [{"capability": capability, "input": {"text": TEXTS[i % 4]}, "gpu": gpu} for i in range(n)]
     }
     started = time.perf_counter()
     tasks = http.post("/v1/tasks/batch", json=body).json()["tasks"]
@@ -122,9 +130,9 @@ def _throughput(http: httpx.Client, capability: str, n: int) -> float:
     return n / (time.perf_counter() - started)
 
 
-def _batching(http: httpx.Client, n: int) -> dict[str, Any]:
-    one = _throughput(http, "classify_warm", n)
-    many = _throughput(http, "classify_batched", n)
+def _batching(http: httpx.Client, n: int, gpu: str) -> dict[str, Any]:
+    one = _throughput(http, "classify_warm", n, gpu)
+    many = _throughput(http, "classify_batched", n, gpu)
     return {"texts": n, "unbatched_per_s": round(one, 1), "batched_32_per_s": round(many, 1),
             "batched_over_unbatched": round(many / one, 2)}  # fmt: skip
 
@@ -150,11 +158,13 @@ def _overhead(http: httpx.Client, n: int) -> dict[str, Any]:
 
 
 def summary(result: dict[str, Any]) -> str:
-    o = result["pipeline_overhead"]
-    lines = [
-        f"  no-op overhead p50: single task {o['single_task_overhead_p50_ms']} ms, 3-stage pipeline "
-        f"{o['pipeline_3_stage_overhead_p50_ms']} ms: {o['pipeline_over_single']}x a single task's (aim <= 1x)",
-    ]
+    lines = []
+    if "pipeline_overhead" in result:
+        o = result["pipeline_overhead"]
+        lines.append(
+            f"  no-op overhead p50: single task {o['single_task_overhead_p50_ms']} ms, 3-stage pipeline "
+            f"{o['pipeline_3_stage_overhead_p50_ms']} ms: {o['pipeline_over_single']}x a single task's (aim <= 1x)"
+        )
     if "warm_cold" in result:
         wc, b = result["warm_cold"], result["batching"]
         lines[:0] = [
@@ -169,5 +179,6 @@ def summary(result: dict[str, Any]) -> str:
 if __name__ == "__main__":
     import json
 
-    print(summary(result := run(quick="--quick" in sys.argv, overhead_only="--overhead" in sys.argv)))
+    result = run(quick="--quick" in sys.argv, overhead_only="--overhead" in sys.argv, gpu="--gpu" in sys.argv)
+    print(summary(result))
     print(json.dumps(result, indent=2))
