@@ -1,6 +1,6 @@
 """What only a real NVIDIA GPU can show, checked on one: run on a host with a GPU, never in the suite.
 
-    python -m bench.gpu_check OUTDIR
+    python -m bench.gpu_check OUTDIR [--quick] [--no-model]
 
 1. discovery: the NVML and nvidia-smi providers find the same GPUs (UUID, name, memory, compute capability,
    minor number), each takes a sample (timed: the worker takes one per heartbeat), and NVML says whether it took
@@ -186,6 +186,10 @@ def cluster(tmp: Path) -> dict[str, Any]:
         out["metrics_gpu_lines"] = [
             ln for ln in metrics.splitlines() if "gpu" in ln and not ln.startswith("#")
         ][:40]
+        caps = http.get("/v1/capabilities").json()
+        out["capabilities"] = [
+            c for c in caps.get("capabilities", []) if c.get("name") in ("classify_text", "cuda_share")
+        ]
         out["audit_kinds"] = sorted({r.get("kind") for r in http.get("/v1/audit").json().get("audit", [])})
     finally:
         out["worker_log_tail"] = c.log_tail("worker-gpu-box", 4000)
@@ -194,7 +198,8 @@ def cluster(tmp: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    outdir = Path(argv[0] if argv else "gpu-check")
+    paths = [a for a in argv if not a.startswith("--")]
+    outdir = Path(paths[0] if paths else "gpu-check")
     outdir.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
     step(results, "discovery", lambda: discovery(outdir), outdir)
@@ -203,6 +208,8 @@ def main(argv: list[str]) -> int:
         step(results, "cluster", lambda: cluster(Path(tmp)), outdir)
     from bench import bench_pipelines
 
+    if "--no-model" in argv:  # the model bench is the longest part: leave it out of a quick re-check
+        return 0
     step(results, "model_on_gpu", lambda: bench_pipelines.run(quick="--quick" in argv, gpu=True), outdir)
     with contextlib.suppress(Exception):
         results["model_summary"] = bench_pipelines.summary(results["model_on_gpu"])
