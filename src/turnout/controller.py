@@ -1109,14 +1109,16 @@ def _charged(task: Task) -> int:
 
 
 def _no_capacity(task: Task) -> dict[str, Any]:
-    """Why a task nobody could place failed. A retry that had to avoid the GPUs it ran out of memory on (or
-    whose scrub failed) fails with that cause, the thing to fix (a larger `gpu_memory`, a smaller batch), and
+    """Why a task nobody could place failed. A retry that had to avoid the GPUs it ran out of memory on fails
+    with that cause, the thing to fix (a larger `gpu_memory`, a smaller batch), and
     says why the retry found no other place, instead of a bare `no_capacity` that hides the out-of-memory."""
     why = (f"no live worker offers a variant of {task.spec.capability!r} that gpu={task.spec.gpu.value} "
            "allows and that fits, for the task's whole placement_timeout_s")  # fmt: skip
     routing = task.routing or Routing()
     last = routing.last_error or {}
-    if last.get("type") in AVOID_GPU_ERRORS and routing.avoid_gpus:
+    if (
+        last.get("type") == "gpu_oom" and routing.avoid_gpus
+    ):  # a scrub that failed is the GPU's fault, not the task's
         avoided = ", ".join(routing.avoid_gpus)
         return {**last, "message": f"{last.get('message') or last['type']}; its retry found no other place: {why}, "
                                    f"other than the GPUs it failed on ({avoided})"}  # fmt: skip

@@ -222,8 +222,9 @@ def test_a_batched_stage_chained_on_its_worker_gets_its_own_output_not_a_list(co
     classify_text, chained after preprocess_text on a CPU worker, once lost its sentiment this way)."""
     run = wait_run(configured, start_run(configured, "tallied", {"text": "a b c d"})["id"])
     assert run["state"] == "succeeded", run
-    tally = run["stages"][1]
+    tally, report = run["stages"][1:]
     assert tally["reason"].startswith("chained after stage 0"), tally
+    assert report["reason"].startswith("chained after stage 1"), report  # a batch of one chains the next
     task = configured.api("GET", f"/v1/tasks/{tally['task_id']}").json()
     assert task["output"] == {"n": 4, "tally_batch": 1}
     assert run["output"]["summary"] == "4 words"

@@ -408,7 +408,7 @@ class Agent:
         for i, lease in enumerate(leases):
             self._forget(lease["id"])
             checked = checked_completion(ran.completion(i, lease))
-            if checked["status"] == "succeeded" and not ran.batched:
+            if checked["status"] == "succeeded" and len(leases) == 1:  # a batch of one chains as a task does
                 chained = self._chain_after(lease, checked["output"])
                 if chained is not None:
                     checked["chain"] = chained["id"]
