@@ -18,7 +18,7 @@ import time
 import traceback
 from typing import Any
 
-from bench.common import RESULTS
+from bench.common import RESULTS, exit_on_sigterm
 
 BENCHES = (
     "throughput",
@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         "--profile", action="store_true", help="py-spy the processes under test, where supported"
     )
     args = parser.parse_args(argv)
+    exit_on_sigterm()
     names = BENCHES
     if args.only:
         names = tuple(n.strip().removeprefix("bench_") for n in args.only.split(",") if n.strip())

@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from bench.common import Processes, TurnoutCluster
+from bench.common import Processes, TurnoutCluster, exit_on_sigterm
 
 CONFIG = """
 pipelines:
@@ -179,6 +179,7 @@ def summary(result: dict[str, Any]) -> str:
 if __name__ == "__main__":
     import json
 
+    exit_on_sigterm()
     result = run(quick="--quick" in sys.argv, overhead_only="--overhead" in sys.argv, gpu="--gpu" in sys.argv)
     print(summary(result))
     print(json.dumps(result, indent=2))

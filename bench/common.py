@@ -25,6 +25,12 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def exit_on_sigterm() -> None:
+    """A bench stopped by SIGTERM (`timeout`, a CI runner) unwinds like one stopped by Ctrl-C: its `finally`
+    blocks stop the controllers and workers it started, instead of leaving them polling after it."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -37,7 +37,7 @@ from typing import Any
 
 import httpx
 
-from bench.common import Processes, TurnoutCluster
+from bench.common import Processes, TurnoutCluster, exit_on_sigterm
 
 PROBE = textwrap.dedent("""
     import json, os, sys
@@ -201,6 +201,7 @@ def main(argv: list[str]) -> int:
     paths = [a for a in argv if not a.startswith("--")]
     outdir = Path(paths[0] if paths else "gpu-check")
     outdir.mkdir(parents=True, exist_ok=True)
+    exit_on_sigterm()
     results: dict[str, Any] = {}
     step(results, "discovery", lambda: discovery(outdir), outdir)
     step(results, "canary_and_scrub", canary_and_scrub, outdir)
