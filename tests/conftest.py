@@ -197,7 +197,13 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-FAULT_REPORTS: list[str] = []  # one line per fault-injection test, printed at the end of the run
+FAULT_REPORT = "fault_report"  # a fault test's user property: its one line for the run's closing summary
+FAULT_REPORTS: list[str] = []  # those lines, gathered from the tests' reports (where xdist runs them too)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call":
+        FAULT_REPORTS.extend(str(value) for key, value in report.user_properties if key == FAULT_REPORT)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import FAULT_REPORTS, Cluster
+from tests.conftest import FAULT_REPORT, Cluster
 
 APP = "bench.fault_app:app"  # the same task the fault bench runs: logs a start and an end line per run
 
@@ -73,6 +73,7 @@ class FaultReport:
     processes_left: int = 0
     gpus_left_allocated: int = 0
     notes: list[str] = field(default_factory=list)
+    node: pytest.Item | None = field(default=None, repr=False, compare=False)
 
     def line(self) -> str:
         recover = f"{self.recover_s:.2f}" if self.recover_s is not None else "n/a"
@@ -84,11 +85,12 @@ class FaultReport:
     def check(self) -> None:
         line = self.line()
         print(line)
-        FAULT_REPORTS.append(line)
+        if self.node is not None:  # the run's summary collects it from the test's report (also under xdist)
+            self.node.user_properties.append((FAULT_REPORT, line))
         assert (self.accepted_lost, self.committed_twice, self.processes_left, self.gpus_left_allocated) == (
             0, 0, 0, 0), line  # fmt: skip
 
 
 @pytest.fixture
 def fault_report(request: pytest.FixtureRequest) -> FaultReport:
-    return FaultReport(request.node.name.removeprefix("test_"))
+    return FaultReport(request.node.name.removeprefix("test_"), node=request.node)
