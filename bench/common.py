@@ -50,6 +50,9 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[rank - 1]
 
 
+SECOND_SIGNAL_AFTER_S = 1.0  # a process still up this long after the first SIGTERM gets a second
+
+
 @dataclass
 class Processes:
     """Subprocesses started in their own sessions; `stop_all` kills each whole process group."""
@@ -64,20 +67,30 @@ class Processes:
         return proc
 
     def stop_all(self, grace_s: float = 5.0) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGTERM)
+        """SIGTERM each; a second SIGTERM to those still up a moment later (a draining worker stops its tasks
+        at the second); SIGKILL to each whole group once `grace_s` is out."""
         deadline = time.monotonic() + grace_s
-        for proc in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        self._terminate()
+        self._wait_until(min(deadline, time.monotonic() + SECOND_SIGNAL_AFTER_S))
+        self._terminate()
+        self._wait_until(deadline)
         for proc in self.procs:  # the group may outlive its leader (handler processes), so always SIGKILL it
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5)
         self.procs.clear()
+
+    def _terminate(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+
+    def _wait_until(self, deadline: float) -> None:
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.01, deadline - time.monotonic()))
 
 
 @dataclass

@@ -20,6 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.common import Processes  # every process a test starts, stopped with its group at teardown
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = (REPO / ".." / "shared").resolve()
 
@@ -28,35 +30,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-@dataclass
-class Processes:
-    """Every subprocess a test starts; all are killed (with their process groups) at teardown."""
-
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-
-    def start(self, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-        fh = log.open("ab")
-        proc = subprocess.Popen(argv, env=env, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, cwd=str(REPO))  # fmt: skip
-        self.procs.append(proc)
-        return proc
-
-    def stop_all(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 5
-        for proc in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        for proc in self.procs:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=5)
 
 
 @dataclass

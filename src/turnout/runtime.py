@@ -164,17 +164,28 @@ def wait_healthy(url: str, timeout_s: float = 20.0) -> bool:
 
 
 def run_agent_until_signalled(agent: object) -> None:
-    """Run a worker agent until SIGINT/SIGTERM, then drain and leave."""
+    """Run a worker agent until SIGINT/SIGTERM, then drain and leave; a second signal stops its running
+    tasks at once instead of waiting out the drain (they go back to the queue as it leaves)."""
     from turnout.worker.agent import Agent
 
     assert isinstance(agent, Agent)
     logs.set_worker(lambda: agent.worker_id)  # every line this process logs is about this worker
 
     async def main() -> None:
-        stop = asyncio.Event()
+        stop, stop_now = asyncio.Event(), asyncio.Event()
+
+        def signalled() -> None:
+            if stop.is_set():
+                log.warning("a second signal: stopping the running tasks now; they go back to the queue")
+                stop_now.set()
+            elif agent.running:
+                log.warning("draining: %d running tasks get %.0f s to finish (a second signal stops them now)",
+                            len(agent.running), agent.settings.drain_grace_s)  # fmt: skip
+            stop.set()
+
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await agent.run(stop)
+            loop.add_signal_handler(sig, signalled)
+        await agent.run(stop, stop_now)
 
     asyncio.run(main())

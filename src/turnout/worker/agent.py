@@ -157,7 +157,8 @@ class Agent:
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
-    async def run(self, stop: asyncio.Event) -> None:
+    async def run(self, stop: asyncio.Event, stop_now: asyncio.Event | None = None) -> None:
+        """Serve until `stop`, then drain: running tasks get `drain_grace_s` to finish, or until `stop_now`."""
         await self.register()
         loops = [asyncio.create_task(c) for c in (self._heartbeat_loop(), self._lease_loop(), self._send_completions(),
                                                    self._send_events(), self._reap_idle_loop(),
@@ -168,13 +169,19 @@ class Agent:
         try:
             await stop.wait()
         finally:
-            await self.shutdown(loops)
+            await self.shutdown(loops, stop_now)
 
-    async def shutdown(self, loops: list[asyncio.Task[Any]]) -> None:
-        """Stop leasing, let running tasks finish (up to the grace), report them, and leave."""
+    async def shutdown(self, loops: list[asyncio.Task[Any]], stop_now: asyncio.Event | None = None) -> None:
+        """Stop leasing, let running tasks finish (up to the grace, or until `stop_now`), report them, and
+        leave: what is still running then is stopped, and the controller queues it again as the worker leaves."""
         self._leasing = False
         if self.running:
-            await asyncio.wait(list(self.running.values()), timeout=self.settings.drain_grace_s)
+            drained = asyncio.ensure_future(asyncio.wait(list(self.running.values())))
+            hurried = asyncio.ensure_future((stop_now or asyncio.Event()).wait())
+            await asyncio.wait({drained, hurried}, timeout=self.settings.drain_grace_s,
+                               return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            drained.cancel()  # the wait only: the tasks run on until cancelled below
+            hurried.cancel()
         for t in list(self.running.values()):
             t.cancel()
         try:  # a controller that is gone too must not hold us, nor a report it cannot take

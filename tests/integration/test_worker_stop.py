@@ -1,0 +1,44 @@
+"""Stopping a worker: the first SIGTERM drains (its running tasks may finish), a second stops them now.
+
+An operator (or systemd, or a test's teardown) that cannot wait out a long task sends the signal again, as
+with Celery's warm and cold shutdown: the worker stops its tasks, leaves, and the controller queues them
+again at once, for another worker, instead of after three missed heartbeats.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+from tests.conftest import Cluster
+from tests.integration.test_worker_reports import wait_for_state
+
+APP = "tests.apps.testapp:app"
+
+
+def test_a_second_sigterm_stops_a_draining_workers_task_which_is_queued_again_for_another(
+    cluster: Cluster,
+) -> None:
+    worker = cluster.start_worker(APP, name="leaving")
+    task = cluster.submit("work", {"sleep": 60}, max_retries=2)
+    wait_for_state(cluster, task["id"], {"running"})
+    worker.send_signal(signal.SIGTERM)
+    time.sleep(1.5)
+    assert worker.poll() is None, "one SIGTERM drains: the worker waits for its running task"
+    assert cluster.api("GET", f"/v1/tasks/{task['id']}").json()["state"] == "running"
+
+    stopped_at = time.monotonic()
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(timeout=15) == 0
+    assert time.monotonic() - stopped_at < 10  # not the 30 s drain grace, nor the 60 s task
+    log = (cluster.tmp / "worker-leaving.log").read_text()
+    assert "a second signal: stopping the running tasks now" in log and "Traceback" not in log
+
+    again = cluster.api("GET", f"/v1/tasks/{task['id']}").json()
+    assert again["state"] == "queued" and again["attempts"] == 1, again
+    nxt = cluster.start_worker(APP, name="next")
+    wait_for_state(cluster, task["id"], {"running"})
+    moved = cluster.api("GET", f"/v1/tasks/{task['id']}").json()
+    assert moved["attempts"] == 2 and moved["worker"] == cluster.wait_for_worker("next")["id"], moved
+    assert cluster.api("POST", f"/v1/tasks/{task['id']}/cancel").status_code == 200
+    assert nxt.poll() is None
