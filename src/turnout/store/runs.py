@@ -18,13 +18,22 @@ from turnout.models import GpuMode
 from turnout.pipelines import PipelineRun, RunState, Stage
 from turnout.profiles import Profile, RunSample, fold
 from turnout.store import schema
-from turnout.store.sql import SqlStore
+from turnout.store.sql import RawTable, SqlStore, sqlite_of
 
 R = schema.pipeline_runs
 P = schema.profiles
 # hot statements, built once (as in sql.py): a chained report reads and moves its run in the same commit
-_GET_RUN = sa.select(R).where(R.c.id == sa.bindparam("id"))
 _GET_RUNS = sa.select(R).where(R.c.id.in_(sa.bindparam("ids", expanding=True)))
+RUNS = RawTable(R)  # on SQLite, through the driver itself (sql.RawTable)
+
+
+_IN_RUNNING_WITH_TASKS = "state = 'running' AND coalesce(json_array_length(task_ids), 0) = ?"
+
+
+@functools.lru_cache(maxsize=64)
+def _sqlite_run_update(keys: tuple[str, ...]) -> str:
+    """`_run_update` as SQLite text."""
+    return f"UPDATE pipeline_runs SET {', '.join(f'{k} = ?' for k in keys)} WHERE id = ? AND {_IN_RUNNING_WITH_TASKS}"
 
 
 @functools.lru_cache(maxsize=64)
@@ -45,19 +54,28 @@ class RunStore:
 
     # ---- runs --------------------------------------------------------------------------------
 
+    @property
+    def _sqlite(self) -> bool:
+        return self.store.dialect == "sqlite"
+
     def insert_run(self, run: PipelineRun) -> None:
         with self.store._write() as conn:
-            conn.execute(R.insert(), [_run_row(run)])
+            if self._sqlite:
+                RUNS.insert_rows(conn, [_run_row(run)])
+            else:
+                conn.execute(R.insert(), [_run_row(run)])
 
     def get_run(self, run_id: str) -> PipelineRun | None:
-        with self.store._read() as conn:
-            row = conn.execute(_GET_RUN, {"id": run_id}).first()
-        return _run(row) if row else None
+        found = self.get_runs([run_id])
+        return found[0] if found else None
 
     def get_runs(self, run_ids: Sequence[str]) -> list[PipelineRun]:
         if not run_ids:
             return []
         with self.store._read() as conn:
+            if self._sqlite:
+                ids = list(run_ids)
+                return [_run(r) for r in RUNS.rows(conn, RUNS.by_ids(len(ids)), ids)]
             return [_run(r) for r in conn.execute(_GET_RUNS, {"ids": list(run_ids)})]
 
     def list_runs(self, *, tenant: str | None, state: str | None = None, limit: int = 50,
@@ -83,8 +101,11 @@ class RunStore:
         values = {k: (v.value if isinstance(v, RunState) else v) for k, v in values.items()}
         if "task_ids" in values:
             values["task_ids"] = list(values["task_ids"])
-        params = {"_id": run_id, "_tasks": expect_tasks, **{f"v_{k}": v for k, v in values.items()}}
         with self.store._write() as conn:
+            if self._sqlite:
+                bound = [*(RUNS.value(k, v) for k, v in values.items()), run_id, expect_tasks]
+                return bool(sqlite_of(conn).execute(_sqlite_run_update(tuple(values)), bound).rowcount)
+            params = {"_id": run_id, "_tasks": expect_tasks, **{f"v_{k}": v for k, v in values.items()}}
             return bool(conn.execute(_run_update(tuple(values)), params).rowcount)
 
     def cost_by_tenant(self) -> list[tuple[str, str, float]]:

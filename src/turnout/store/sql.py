@@ -211,7 +211,7 @@ class SqlStore:
                 if not fresh:
                     return out
                 if not keyed and self.dialect == "sqlite":
-                    _sqlite_insert_tasks(conn, fresh)
+                    TASKS.insert_rows(conn, fresh)
                     return out
                 if not keyed:
                     conn.execute(T.insert(), fresh)
@@ -253,7 +253,7 @@ class SqlStore:
     def get_task(self, task_id: str) -> Task | None:
         with self._read() as conn:
             if self.dialect == "sqlite":
-                found = _sqlite_tasks(conn, _tasks_where("id = ?"), (task_id,))
+                found = _sqlite_tasks(conn, TASKS.select("id = ?"), (task_id,))
                 return found[0] if found else None
             row = conn.execute(_GET_TASK, {"id": task_id}).first()
         return _task(row) if row else None
@@ -264,7 +264,7 @@ class SqlStore:
             return []
         with self._read() as conn:
             if self.dialect == "sqlite":
-                return _sqlite_tasks(conn, _tasks_where(f"id IN ({_marks(len(ids))})"), ids)
+                return _sqlite_tasks(conn, TASKS.by_ids(len(ids)), ids)
             return [_task(r) for r in conn.execute(_GET_TASKS, {"ids": ids})]
 
     def list_tasks(
@@ -403,7 +403,7 @@ class SqlStore:
             workers = list(worker_ids)
             if self.dialect == "sqlite":
                 where = f"state IN ('{_ACTIVE[0]}', '{_ACTIVE[1]}') AND worker_id IN ({_marks(len(workers))})"
-                return _sqlite_tasks(conn, _tasks_where(where), workers) if workers else []
+                return _sqlite_tasks(conn, TASKS.select(where), workers) if workers else []
             return [_task(r) for r in conn.execute(_ACTIVE_OF, {"workers": workers})]
 
     def queue_depths(self, tenant: str | None = None) -> dict[str, dict[str, int]]:
@@ -495,7 +495,7 @@ class SqlStore:
                 if with_attempts:
                     arrays.append([r[1] for r in rows])
                 for k in keys:
-                    as_json = k in _JSON_COLUMNS  # written as SQLAlchemy's JSON type writes it (None is NULL)
+                    as_json = k in TASKS.json  # written as SQLAlchemy's JSON type writes it (None is NULL)
                     arrays.append([_json_text(r[2][k]) if as_json else r[2][k] for r in rows])
                 sql = _task_update_many(states, with_attempts, keys)
                 won.update(
@@ -716,18 +716,54 @@ def _task_update(states: tuple[str, ...], with_attempts: bool, keys: tuple[str, 
     return query.values({k: sa.bindparam(f"v_{k}", type_=T.c[k].type) for k in keys})
 
 
-_JSON_COLUMNS = frozenset(c.name for c in T.c if isinstance(c.type, sa.JSON))
-_TaskRow = collections.namedtuple("_TaskRow", [c.name for c in T.c])  # type: ignore[misc]
-_JSON_AT = tuple(i for i, c in enumerate(T.c) if c.name in _JSON_COLUMNS)
+class RawTable:
+    """A table as the SQLite fast paths read and write it through the driver itself, in the connection's
+    transaction: rows decoded as SQLAlchemy decodes them (JSON columns parsed, the rest as stored), values
+    bound as it binds them (JSON columns as JSON text, None as NULL).
 
+    The hottest statements (a task by id, tasks by ids, a worker's active tasks, a run by id) go this way:
+    SQLAlchemy's per-statement machinery (execution context, expanding the IN list, result processing) took
+    about 40 us a statement where SQLite itself took 13, and a task's path makes about ten of them."""
 
-# The hottest reads (a task by id, tasks by ids, a worker's active tasks) on SQLite run on its own cursor, in
-# the connection's transaction: SQLAlchemy's per-statement machinery (execution context, expanding the IN
-# list, result processing) took about 40 us a statement where SQLite itself took 13, and a task's path makes
-# about ten of them. The rows are decoded as SQLAlchemy decodes them: JSON columns parsed, the rest as stored.
-@functools.lru_cache(maxsize=64)
-def _tasks_where(where: str) -> str:
-    return f"SELECT {', '.join(c.name for c in T.c)} FROM tasks WHERE {where}"
+    def __init__(self, table: sa.Table) -> None:
+        self.name = table.name
+        self.columns = tuple(c.name for c in table.c)
+        self.json = frozenset(c.name for c in table.c if isinstance(c.type, sa.JSON))
+        self._json_at = tuple(i for i, name in enumerate(self.columns) if name in self.json)
+        self.row = collections.namedtuple(f"_{table.name}_row", self.columns)  # type: ignore[misc]
+        self.insert = (
+            f"INSERT INTO {self.name} ({', '.join(self.columns)}) VALUES ({_marks(len(self.columns))})"
+        )
+        self._selects: dict[str, str] = {}
+
+    def select(self, where: str) -> str:
+        """SELECT every column WHERE `where` (our own text, a few shapes per table: each built once)."""
+        sql = self._selects.get(where)
+        if sql is None:
+            sql = self._selects[where] = f"SELECT {', '.join(self.columns)} FROM {self.name} WHERE {where}"
+        return sql
+
+    def by_ids(self, n: int) -> str:
+        """SELECT the rows of `n` ids."""
+        return self.select(f"id IN ({_marks(n)})")
+
+    def rows(self, conn: sa.Connection, sql: str, params: Sequence[Any]) -> list[Any]:
+        out = []
+        for values in sqlite_of(conn).execute(sql, params).fetchall():
+            row = list(values)
+            for i in self._json_at:
+                if row[i] is not None:
+                    row[i] = json.loads(row[i])
+            out.append(self.row(*row))
+        return out
+
+    def value(self, name: str, value: Any) -> Any:
+        return json.dumps(value) if name in self.json and value is not None else value
+
+    def insert_rows(self, conn: sa.Connection, rows: Sequence[dict[str, Any]]) -> None:
+        sqlite_of(conn).executemany(
+            self.insert, [[self.value(n, row.get(n)) for n in self.columns] for row in rows]
+        )
 
 
 @functools.lru_cache(maxsize=64)
@@ -735,37 +771,17 @@ def _marks(n: int) -> str:
     return ", ".join("?" * n)
 
 
-def _sqlite_tasks(conn: sa.Connection, sql: str, params: Sequence[Any]) -> list[Task]:
-    out = []
-    raw = _sqlite_of(conn)
-    for values in raw.execute(sql, params).fetchall():
-        row = list(values)
-        for i in _JSON_AT:
-            if row[i] is not None:
-                row[i] = json.loads(row[i])
-        out.append(_task(_TaskRow(*row)))
-    return out
-
-
-def _sqlite_of(conn: sa.Connection) -> sqlite3.Connection:
+def sqlite_of(conn: sa.Connection) -> sqlite3.Connection:
     raw = conn.connection.dbapi_connection
     assert isinstance(raw, sqlite3.Connection)
     return raw
 
 
-def _column_value(name: str, value: Any) -> Any:
-    """A value as SQLAlchemy binds it to this column on SQLite: JSON columns as JSON text, None as NULL."""
-    return json.dumps(value) if name in _JSON_COLUMNS and value is not None else value
+TASKS = RawTable(T)
 
 
-_INSERT_TASK = f"INSERT INTO tasks ({', '.join(c.name for c in T.c)}) VALUES ({_marks(len(T.c))})"
-
-
-def _sqlite_insert_tasks(conn: sa.Connection, rows: Sequence[dict[str, Any]]) -> None:
-    names = [c.name for c in T.c]
-    _sqlite_of(conn).executemany(
-        _INSERT_TASK, [[_column_value(n, row.get(n)) for n in names] for row in rows]
-    )
+def _sqlite_tasks(conn: sa.Connection, sql: str, params: Sequence[Any]) -> list[Task]:
+    return [_task(r) for r in TASKS.rows(conn, sql, params)]
 
 
 @functools.lru_cache(maxsize=256)
@@ -782,12 +798,12 @@ def _sqlite_task_update(states: tuple[str, ...], with_attempts: bool, keys: tupl
 def _sqlite_update_tasks(
     conn: sa.Connection, changes: Sequence[tuple[str, Sequence[TaskState], int | None, dict[str, Any]]]
 ) -> list[str]:
-    raw = _sqlite_of(conn)
+    raw = sqlite_of(conn)
     done: list[str] = []
     for task_id, states, attempts, values in changes:
         sql = _sqlite_task_update(tuple(s.value for s in states), attempts is not None, tuple(values))
         encoded = _encode(values)
-        params = [_column_value(k, encoded[k]) for k in values]
+        params = [TASKS.value(k, encoded[k]) for k in values]
         params.append(task_id)
         if attempts is not None:
             params.append(attempts)
