@@ -309,18 +309,28 @@ class SqlStore:
             query = _QUEUED_OF_SKIP_LOCKED if self.dialect == "postgresql" else _QUEUED_OF
         # PostgreSQL: rows another replica's lease holds are skipped, not waited for (replicas take different
         # tasks instead of queueing behind each other); the conditional update still makes each claim once
-        params: dict[str, Any] = {"caps": list(capabilities)}
+        caps = list(capabilities)
+        if not caps:
+            return
+        params: dict[str, Any] = {"caps": caps}
         if tenant is not None:
             params["tenant"] = tenant
-        with self._read() as conn:
-            rows = conn.execute(query, {**params, "limit": limit, "offset": 0}).all()
-        yield from (_task(r) for r in rows)
+
+        def read(count: int, offset: int) -> list[Task]:
+            with self._read() as conn:
+                if self.dialect == "sqlite":
+                    of = "tenant = ? AND " if tenant is not None else ""
+                    where = f"state = 'queued' AND {of}capability IN ({_marks(len(caps))}) {_QUEUE_ORDER}"
+                    bound = [*([tenant] if tenant is not None else []), *caps, count, offset]
+                    return _sqlite_tasks(conn, TASKS.select(where), bound)
+                return [_task(r) for r in conn.execute(query, {**params, "limit": count, "offset": offset})]
+
+        first = read(limit, 0)
+        yield from first
         total = max(limit, widen_to or 0)
-        if len(rows) < limit or total <= limit:
+        if len(first) < limit or total <= limit:
             return
-        with self._read() as conn:
-            more = conn.execute(query, {**params, "limit": total - limit, "offset": limit}).all()
-        yield from (_task(r) for r in more)
+        yield from read(total - limit, limit)
 
     def queued_tenants(self) -> list[str]:
         """The tenants with queued tasks, by index seeks (one per tenant), not a scan of a deep queue."""
@@ -673,6 +683,7 @@ _GET_TASKS = sa.select(T).where(T.c.id.in_(sa.bindparam("ids", expanding=True)))
 _ACTIVE = (TaskState.LEASED.value, TaskState.RUNNING.value)
 _ACTIVE_ALL = sa.select(T).where(T.c.state.in_(_ACTIVE))
 _ACTIVE_OF = _ACTIVE_ALL.where(T.c.worker_id.in_(sa.bindparam("workers", expanding=True)))
+_QUEUE_ORDER = "ORDER BY priority DESC, created_at, id LIMIT ? OFFSET ?"  # _QUEUED's, as SQLite text
 _QUEUED = (
     sa.select(T)
     .where(T.c.state == TaskState.QUEUED.value, T.c.capability.in_(sa.bindparam("caps", expanding=True)))
@@ -761,9 +772,14 @@ class RawTable:
         return json.dumps(value) if name in self.json and value is not None else value
 
     def insert_rows(self, conn: sa.Connection, rows: Sequence[dict[str, Any]]) -> None:
-        sqlite_of(conn).executemany(
-            self.insert, [[self.value(n, row.get(n)) for n in self.columns] for row in rows]
-        )
+        sqlite_of(conn).executemany(self.insert, [self._bound(row) for row in rows])
+
+    def _bound(self, row: dict[str, Any]) -> list[Any]:
+        values = [row.get(n) for n in self.columns]
+        for i in self._json_at:
+            if values[i] is not None:
+                values[i] = json.dumps(values[i])
+        return values
 
 
 @functools.lru_cache(maxsize=64)
