@@ -28,6 +28,7 @@ BENCHES = (
     "faults",
     "tenants",
     "pipelines",
+    "controller",
     "replicas",
     "files",
     "peers",
