@@ -91,6 +91,9 @@ class LeaseResult:
     finished: tuple[str, ...] = ()
     offers: frozenset[str] | None = None  # the capabilities the worker offers (None: not looked at)
     looked: bool = False  # it read the queue for all it could take (not cut short: unhealthy, full, reserved)
+    # tenants with work that may take nothing here now (what is free is kept for others' reserved_share): a
+    # new task of theirs changes nothing until the worker's room, or who has work, changes
+    barred: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -466,7 +469,8 @@ class Controller:
         shares = self._reservations(worker, mine.values(), tenant, now)  # tenancy.Reservations
         if shares is not None and not shares.anyone_may_take(smallest, room.cpu):
             # what is free here is kept for tenants with none queued
-            return LeaseResult([], cancel, fresh=fresh, finished=finished, offers=offers)
+            barred = shares.barred(smallest, room.cpu)
+            return LeaseResult([], cancel, fresh=fresh, finished=finished, offers=offers, barred=barred)
         placed: list[tuple[Task, placement.Placement]] = []
         seen = 0
         for task in self._queue({v.capability for v in worker.variants}, window, tenant):

@@ -363,6 +363,13 @@ class Reservations:
         nothing more, and need not read (further) into the queue to find that out."""
         return free_cpu + 1e-9 >= cpu and any(self.may_take(t, cpu, free_cpu) for t in self.queued)
 
+    def barred(self, cpu: float, free_cpu: float) -> frozenset[str]:
+        """The tenants known here (with tasks queued, or a guarantee) that may not take a task of `cpu` now: a
+        new task of theirs is nothing to this worker until its room, or who has work, changes. A tenant not
+        known here is never barred: its first task changes the guarantees."""
+        known = self.queued | self.guaranteed.keys()
+        return frozenset(t for t in known if not self.may_take(t, cpu, free_cpu))
+
     def take(self, tenant: str, cpu: float, free_cpu: float) -> bool:
         """`may_take`, recording the task as held when it may."""
         if not self.may_take(tenant, cpu, free_cpu):

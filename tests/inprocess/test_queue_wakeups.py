@@ -179,6 +179,42 @@ async def test_a_result_wakes_a_poll_whose_free_room_was_kept_for_another_tenant
         assert len(await leased_ids(poll)) == 1
 
 
+async def test_a_poll_whose_room_is_kept_for_others_sleeps_through_a_flooding_tenants_tasks() -> None:
+    # Given a shared worker of 4 CPUs keeping half for each tenant with work: the calm tenant submitted lately,
+    # and the hog's 2 tasks hold its half, so the poll parks with 2 CPUs free that the hog may not take
+    limits = parse_limits({"*": {"submit_per_s": 1000, "reserved_share": 0.5}}, None)
+    async with serve_api(ControllerSettings(heartbeat_s=1.0, tenant_limits=limits), recheck_s=30.0) as api:
+        looks = Counter[str]()
+        calm, hog = await api.token("submit", "calm"), await api.token("submit", "hog")
+        worker = await api.worker()
+        submit = {"capability": "shout", "gpu": "never", "input": {}}
+        assert (await api.as_(calm, "POST", "/v1/tasks", json=submit)).status_code == 201
+        (calm_lease,) = (await worker.lease(max_tasks=1))["tasks"]
+        await worker.complete(calm_lease, {"n": 0})
+        for _ in range(3):
+            assert (await api.as_(hog, "POST", "/v1/tasks", json=submit)).status_code == 201
+        hog_leases = (await worker.lease())["tasks"]
+        assert len(hog_leases) == 2
+        offer = api.ctrl.offer
+
+        def counted(worker_id: str, **ask: Any) -> Any:
+            looks[worker_id] += 1
+            return offer(worker_id, **ask)
+
+        api.ctrl.offer = counted  # type: ignore[method-assign]
+        poll = await park(worker, looks, running=[t["id"] for t in hog_leases])
+        looked = looks[worker.id]
+        # When the hog floods: each new task of its could only be refused there
+        for _ in range(20):
+            assert (await api.as_(hog, "POST", "/v1/tasks", json=submit)).status_code == 201
+        await asyncio.sleep(0.2)
+        # Then the poll did not look again for any of them
+        assert looks[worker.id] == looked and not poll.done()
+        # And the calm tenant's next task is taken at once
+        task = (await api.as_(calm, "POST", "/v1/tasks", json=submit)).json()
+        assert await leased_ids(poll) == [task["id"]]
+
+
 async def test_a_poll_after_an_answer_that_left_nothing_queued_parks_without_looking(
     api: Api, looks: Counter[str]
 ) -> None:

@@ -130,6 +130,39 @@ def test_when_no_queued_tenant_may_take_the_smallest_task_none_may_take_a_bigger
 
 
 @given(tables, st.floats(0.1, 64), helds, st.sets(st.sampled_from(TENANTS), min_size=2),
+       st.sets(st.sampled_from(TENANTS)), st.floats(0.01, 4), st.floats(0, 64), st.floats(0, 4))  # fmt: skip
+def test_a_barred_tenant_may_take_no_task_and_a_tenant_not_known_is_never_barred(
+    table: LimitsTable,
+    capacity: float,
+    held: dict[str, float],
+    with_work: set[str],
+    queued: set[str],
+    smallest: float,
+    free: float,
+    more: float,
+) -> None:
+    """A lease poll skips waking for a barred tenant's new tasks: a task of any size it would refuse."""
+    share = reservations(table, capacity, held, queued, with_work)
+    if share is None:
+        return
+    barred = share.barred(smallest, free)
+    known = share.queued | share.guaranteed.keys()
+    assert barred <= known
+    for tenant in known:
+        assert (tenant in barred) == (not share.may_take(tenant, smallest, free))
+        if tenant in barred:
+            assert not share.may_take(tenant, smallest + more, free)
+
+
+def test_the_flooding_tenant_is_barred_from_the_room_kept_for_the_calm_one() -> None:
+    # a worker of 4 CPUs, half kept for each tenant with work; the hog holds its half, 2 CPUs are free
+    table = parse_limits({"*": {"reserved_share": 0.5}})
+    share = reservations(table, 4.0, {"hog": 2.0}, {"hog"}, {"calm"})
+    assert share is not None and not share.anyone_may_take(1.0, 2.0)
+    assert share.barred(1.0, 2.0) == {"hog"}  # the calm tenant may take its half; a newcomer is not barred
+
+
+@given(tables, st.floats(0.1, 64), helds, st.sets(st.sampled_from(TENANTS), min_size=2),
        st.sampled_from(TENANTS), st.floats(0.01, 4), st.floats(0, 64),
        st.lists(st.tuples(st.sampled_from(TENANTS), st.floats(0.01, 4)), max_size=10))  # fmt: skip
 def test_a_refusal_holds_whatever_the_same_lease_takes_after_it(

@@ -220,12 +220,17 @@ class QueuePoll:
     full: bool = False  # parked for freed room only: a new task is nothing to it
     woken_for: list[NewTasks] = field(default_factory=list)  # new tasks it was woken for, not yet looked at
     looked_at: int = -1  # the epoch count when its last look began: tasks queued before that, it has seen
+    # tenants its last look found may take nothing there (its room kept for other tenants' reserved_share):
+    # a flooding tenant's every new task would otherwise wake it, and each shared worker's poll in turn, to
+    # find the same; freed room, a recheck, or another tenant's task wakes it instead
+    barred: frozenset[str] = frozenset()
 
     def may_take(self, capability: str, tenant: str) -> bool:
         return (
             not self.full
             and (self.offers is None or capability in self.offers)
             and self.tenant in (ALL_TENANTS, tenant)
+            and tenant not in self.barred
         )
 
     def look(self, epoch: Epoch) -> list[NewTasks]:
@@ -239,6 +244,7 @@ class QueuePoll:
         nothing queued (it took the new tasks, or they were gone already); else what it was woken for."""
         self.offers = result.offers if result.offers is not None else self.offers
         self.full = result.full
+        self.barred = result.barred
         if result.looked and not result.backlog:
             return [new for new in woken_for if not self.may_take(new[0], new[1])]
         return woken_for
