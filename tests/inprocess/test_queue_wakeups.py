@@ -5,9 +5,11 @@ that could not take the task passes the wake-up on, so no task waits for a poll'
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
-from dataclasses import replace
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -149,70 +151,70 @@ async def test_a_result_wakes_its_workers_poll_only_where_freed_room_could_chang
     assert await leased_ids(poll) == [big["id"]]
 
 
-async def test_a_result_wakes_a_poll_whose_free_room_was_kept_for_another_tenant() -> None:
-    # Given a shared worker of 4 CPUs keeping half for each tenant with work: the calm tenant submitted lately,
-    # and the hog's 2 tasks hold its half, so the poll parks with 2 CPUs free that the hog's backlog may not take
+@dataclass
+class KeptRoom:
+    """A shared worker of 4 CPUs keeping half for each tenant with work: the calm tenant submitted lately, and
+    the hog's 2 tasks hold its half, so its poll parks with 2 CPUs free that the hog's backlog may not take."""
+
+    api: Api
+    worker: Worker
+    looks: Counter[str]
+    poll: asyncio.Future[Any]
+    hog_leases: list[dict[str, Any]]
+    tokens: dict[str, str]
+
+    async def submit(self, tenant: str) -> dict[str, Any]:
+        body = {"capability": "shout", "gpu": "never", "input": {}}
+        resp = await self.api.as_(self.tokens[tenant], "POST", "/v1/tasks", json=body)
+        assert resp.status_code == 201, resp.text
+        return dict(resp.json())
+
+
+@contextlib.asynccontextmanager
+async def kept_room() -> AsyncIterator[KeptRoom]:
     limits = parse_limits({"*": {"submit_per_s": 1000, "reserved_share": 0.5}}, None)
     async with serve_api(ControllerSettings(heartbeat_s=1.0, tenant_limits=limits), recheck_s=30.0) as api:
-        looks = Counter[str]()
-        calm, hog = await api.token("submit", "calm"), await api.token("submit", "hog")
+        tokens = {tenant: await api.token("submit", tenant) for tenant in ("calm", "hog")}
         worker = await api.worker()
-        submit = {"capability": "shout", "gpu": "never", "input": {}}
-        assert (await api.as_(calm, "POST", "/v1/tasks", json=submit)).status_code == 201
-        (calm_lease,) = (await worker.lease(max_tasks=1))["tasks"]
-        await worker.complete(calm_lease, {"n": 0})
-        for _ in range(6):
-            assert (await api.as_(hog, "POST", "/v1/tasks", json=submit)).status_code == 201
-        hog_leases = (await worker.lease())["tasks"]
-        assert len(hog_leases) == 2
-        offer = api.ctrl.offer
-
-        def counted(worker_id: str, **ask: Any) -> Any:
-            looks[worker_id] += 1
-            return offer(worker_id, **ask)
-
-        api.ctrl.offer = counted  # type: ignore[method-assign]
-        poll = await park(worker, looks, running=[t["id"] for t in hog_leases])
-        # When one of the hog's tasks ends (its result asks for no work)
-        await worker.complete(hog_leases[0], {"n": 1})
-        # Then the poll looks again at once, and the hog may take the CPU that freed
-        assert len(await leased_ids(poll)) == 1
-
-
-async def test_a_poll_whose_room_is_kept_for_others_sleeps_through_a_flooding_tenants_tasks() -> None:
-    # Given a shared worker of 4 CPUs keeping half for each tenant with work: the calm tenant submitted lately,
-    # and the hog's 2 tasks hold its half, so the poll parks with 2 CPUs free that the hog may not take
-    limits = parse_limits({"*": {"submit_per_s": 1000, "reserved_share": 0.5}}, None)
-    async with serve_api(ControllerSettings(heartbeat_s=1.0, tenant_limits=limits), recheck_s=30.0) as api:
-        looks = Counter[str]()
-        calm, hog = await api.token("submit", "calm"), await api.token("submit", "hog")
-        worker = await api.worker()
-        submit = {"capability": "shout", "gpu": "never", "input": {}}
-        assert (await api.as_(calm, "POST", "/v1/tasks", json=submit)).status_code == 201
+        room = KeptRoom(api, worker, Counter(), asyncio.get_running_loop().create_future(), [], tokens)
+        await room.submit("calm")
         (calm_lease,) = (await worker.lease(max_tasks=1))["tasks"]
         await worker.complete(calm_lease, {"n": 0})
         for _ in range(3):
-            assert (await api.as_(hog, "POST", "/v1/tasks", json=submit)).status_code == 201
-        hog_leases = (await worker.lease())["tasks"]
-        assert len(hog_leases) == 2
+            await room.submit("hog")
+        room.hog_leases = (await worker.lease())["tasks"]
+        assert len(room.hog_leases) == 2
         offer = api.ctrl.offer
 
         def counted(worker_id: str, **ask: Any) -> Any:
-            looks[worker_id] += 1
+            room.looks[worker_id] += 1
             return offer(worker_id, **ask)
 
         api.ctrl.offer = counted  # type: ignore[method-assign]
-        poll = await park(worker, looks, running=[t["id"] for t in hog_leases])
-        looked = looks[worker.id]
+        room.poll = await park(worker, room.looks, running=[t["id"] for t in room.hog_leases])
+        yield room
+
+
+async def test_a_result_wakes_a_poll_whose_free_room_was_kept_for_another_tenant() -> None:
+    async with kept_room() as room:
+        # When one of the hog's tasks ends (its result asks for no work)
+        await room.worker.complete(room.hog_leases[0], {"n": 1})
+        # Then the poll looks again at once, and the hog may take the CPU that freed
+        assert len(await leased_ids(room.poll)) == 1
+
+
+async def test_a_poll_whose_room_is_kept_for_others_sleeps_through_a_flooding_tenants_tasks() -> None:
+    async with kept_room() as room:
+        looked = room.looks[room.worker.id]
         # When the hog floods: each new task of its could only be refused there
         for _ in range(20):
-            assert (await api.as_(hog, "POST", "/v1/tasks", json=submit)).status_code == 201
+            await room.submit("hog")
         await asyncio.sleep(0.2)
         # Then the poll did not look again for any of them
-        assert looks[worker.id] == looked and not poll.done()
+        assert room.looks[room.worker.id] == looked and not room.poll.done()
         # And the calm tenant's next task is taken at once
-        task = (await api.as_(calm, "POST", "/v1/tasks", json=submit)).json()
-        assert await leased_ids(poll) == [task["id"]]
+        task = await room.submit("calm")
+        assert await leased_ids(room.poll) == [task["id"]]
 
 
 async def test_a_poll_after_an_answer_that_left_nothing_queued_parks_without_looking(
