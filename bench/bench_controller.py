@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from bench.bench_pipelines import CONFIG
-from turnout.config import controller_settings
+from turnout.config import ControllerSettings, controller_settings
 from turnout.controller import Controller
 from turnout.models import Completion, Device, TaskSpec, Variant, new_id
 from turnout.resources import parse_resources
@@ -42,7 +42,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             store.close()
 
 
-def _measure(store: Store, settings: Any, n: int) -> dict[str, Any]:
+def _measure(store: Store, settings: ControllerSettings, n: int) -> dict[str, Any]:
     ctrl = Controller(store, settings)
     noop = Variant("noop", Device.CPU, parse_resources({"cpu": 0.1}))
     worker = ctrl.register_worker(name="w", host="h", variants=[noop], cpu=2.0, memory_bytes=8 * 2**30, gpus=[],

@@ -27,13 +27,12 @@ _GET_RUNS = sa.select(R).where(R.c.id.in_(sa.bindparam("ids", expanding=True)))
 RUNS = RawTable(R)  # on SQLite, through the driver itself (sql.RawTable)
 
 
-_IN_RUNNING_WITH_TASKS = "state = 'running' AND coalesce(json_array_length(task_ids), 0) = ?"
-
-
 @functools.lru_cache(maxsize=64)
 def _sqlite_run_update(keys: tuple[str, ...]) -> str:
-    """`_run_update` as SQLite text."""
-    return f"UPDATE pipeline_runs SET {', '.join(f'{k} = ?' for k in keys)} WHERE id = ? AND {_IN_RUNNING_WITH_TASKS}"
+    """`_run_update` as SQLite text: the values, then the id and the task count."""
+    sets = ", ".join(f"{k} = ?" for k in keys)
+    return (f"UPDATE pipeline_runs SET {sets} WHERE id = ? AND state = 'running'"
+            " AND coalesce(json_array_length(task_ids), 0) = ?")  # fmt: skip
 
 
 @functools.lru_cache(maxsize=64)

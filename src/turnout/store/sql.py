@@ -303,34 +303,34 @@ class SqlStore:
         """
         if capabilities is None:
             capabilities = [name for (name,) in self._capabilities_queued()]
-        if tenant is None:
-            query = _QUEUED_SKIP_LOCKED if self.dialect == "postgresql" else _QUEUED
-        else:
-            query = _QUEUED_OF_SKIP_LOCKED if self.dialect == "postgresql" else _QUEUED_OF
-        # PostgreSQL: rows another replica's lease holds are skipped, not waited for (replicas take different
-        # tasks instead of queueing behind each other); the conditional update still makes each claim once
         caps = list(capabilities)
         if not caps:
             return
-        params: dict[str, Any] = {"caps": caps}
-        if tenant is not None:
-            params["tenant"] = tenant
-
-        def read(count: int, offset: int) -> list[Task]:
-            with self._read() as conn:
-                if self.dialect == "sqlite":
-                    of = "tenant = ? AND " if tenant is not None else ""
-                    where = f"state = 'queued' AND {of}capability IN ({_marks(len(caps))}) {_QUEUE_ORDER}"
-                    bound = [*([tenant] if tenant is not None else []), *caps, count, offset]
-                    return _sqlite_tasks(conn, TASKS.select(where), bound)
-                return [_task(r) for r in conn.execute(query, {**params, "limit": count, "offset": offset})]
-
-        first = read(limit, 0)
+        first = self._queued_page(caps, tenant, limit, 0)
         yield from first
         total = max(limit, widen_to or 0)
         if len(first) < limit or total <= limit:
             return
-        yield from read(total - limit, limit)
+        yield from self._queued_page(caps, tenant, total - limit, limit)
+
+    def _queued_page(self, caps: list[str], tenant: str | None, count: int, offset: int) -> list[Task]:
+        with self._read() as conn:
+            if self.dialect == "sqlite":
+                of = "" if tenant is None else "tenant = ? AND "
+                where = f"state = 'queued' AND {of}capability IN ({_marks(len(caps))}) {_QUEUE_ORDER}"
+                bound = [*([] if tenant is None else [tenant]), *caps, count, offset]
+                return _sqlite_tasks(conn, TASKS.select(where), bound)
+            # PostgreSQL: rows another replica's lease holds are skipped, not waited for (replicas take
+            # different tasks instead of queueing behind each other); the conditional update still makes each
+            # claim once
+            postgres = self.dialect == "postgresql"
+            params: dict[str, Any] = {"caps": caps, "limit": count, "offset": offset}
+            if tenant is None:
+                query = _QUEUED_SKIP_LOCKED if postgres else _QUEUED
+            else:
+                query = _QUEUED_OF_SKIP_LOCKED if postgres else _QUEUED_OF
+                params["tenant"] = tenant
+            return [_task(r) for r in conn.execute(query, params)]
 
     def queued_tenants(self) -> list[str]:
         """The tenants with queued tasks, by index seeks (one per tenant), not a scan of a deep queue."""
@@ -732,7 +732,8 @@ class RawTable:
     transaction: rows decoded as SQLAlchemy decodes them (JSON columns parsed, the rest as stored), values
     bound as it binds them (JSON columns as JSON text, None as NULL).
 
-    The hottest statements (a task by id, tasks by ids, a worker's active tasks, a run by id) go this way:
+    The hottest statements (tasks by id, a worker's active tasks, the lease's queue read, a pipeline run's
+    read, insert and conditional update) go this way:
     SQLAlchemy's per-statement machinery (execution context, expanding the IN list, result processing) took
     about 40 us a statement where SQLite itself took 13, and a task's path makes about ten of them."""
 
