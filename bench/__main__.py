@@ -32,6 +32,7 @@ BENCHES = (
     "replicas",
     "files",
     "peers",
+    "channel",
 )
 QUICK_SECONDS = 2.0
 

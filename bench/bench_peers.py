@@ -171,7 +171,7 @@ def _handlers(cluster: TurnoutCluster) -> int:
                if "turnout.worker.runner" in p.cmdline())  # fmt: skip
 
 
-async def _cpu_phases(cluster: TurnoutCluster, params: dict[str, Any], profile: bool) -> dict[str, Any]:
+async def cpu_phases(cluster: TurnoutCluster, params: dict[str, Any], profile: bool) -> dict[str, Any]:
     n, timeout_s = params["n"], params["timeout_s"]
     out: dict[str, Any] = {}
     async with AsyncClient(cluster.url, cluster.token) as client:
@@ -191,17 +191,23 @@ async def _quarter_phase(cluster: TurnoutCluster, params: dict[str, Any]) -> dic
     return {**out, "handler_processes": _handlers(cluster)}
 
 
-def _on_fresh_cluster(
-    tmp: Path, app: str, gpus: str, phases: Callable[[TurnoutCluster], Coroutine[Any, Any, dict[str, Any]]]
+def on_fresh_cluster(
+    tmp: Path,
+    app: str,
+    gpus: str,
+    phases: Callable[[TurnoutCluster], Coroutine[Any, Any, dict[str, Any]]],
+    worker_args: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """Start a controller on a fresh SQLite file and one worker `--cpus 2 --gpus GPUS` serving `app`, run
-    `phases(cluster)`, stop both (also on failure, whose logs then come back in the result)."""
+    """Start a controller on a fresh SQLite file and one worker `--cpus 2 --gpus GPUS` (and `worker_args`)
+    serving `app`, run `phases(cluster)`, stop both (also on failure, whose logs then come back in the result)."""
     procs = Processes()
     tmp.mkdir()
     cluster = TurnoutCluster(tmp, procs)
     try:
         cluster.start_controller()
-        cluster.start_worker(f"bench.peer_app:{app}", "peers", extra=["--cpus", "2", "--gpus", gpus])
+        cluster.start_worker(
+            f"bench.peer_app:{app}", "peers", extra=["--cpus", "2", "--gpus", gpus, *worker_args]
+        )
         return asyncio.run(phases(cluster))
     except Exception as exc:
         logs = {role: cluster.log_tail(role, 1500) for role in ("controller", "worker-peers")}
@@ -213,12 +219,10 @@ def _on_fresh_cluster(
 def turnout_rep(params: dict[str, Any], profile: bool) -> dict[str, Any]:
     """The CPU phases on one fresh controller and worker, then the quarter-GPU case on another (fake GPUs)."""
     with tempfile.TemporaryDirectory(prefix="peers-turnout-") as tmp:
-        out = _on_fresh_cluster(
-            Path(tmp) / "cpu", "cpu_app", "none", lambda c: _cpu_phases(c, params, profile)
-        )
+        out = on_fresh_cluster(Path(tmp) / "cpu", "cpu_app", "none", lambda c: cpu_phases(c, params, profile))
         if "error" in out:
             return out
-        quarter = _on_fresh_cluster(
+        quarter = on_fresh_cluster(
             Path(tmp) / "gpu", "gpu_app", "fake:2x80Gi", lambda c: _quarter_phase(c, params)
         )
         out["quarter_gpu"] = quarter

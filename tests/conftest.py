@@ -129,6 +129,12 @@ class Cluster:
                               text=True, timeout=timeout, stdin=subprocess.DEVNULL)  # fmt: skip
 
 
+def channel_requests(metrics: str, call: str) -> float:
+    """How many `call` requests a controller's `/metrics` text says its workers sent over their channels."""
+    series = f'turnout_worker_channel_requests_total{{call="{call}"}} '
+    return sum(float(line.removeprefix(series)) for line in metrics.splitlines() if line.startswith(series))
+
+
 @pytest.fixture
 def processes() -> Iterator[Processes]:
     procs = Processes()

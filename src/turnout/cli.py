@@ -256,6 +256,11 @@ def worker(
     sandbox_dev_dir: Path = typer.Option(
         Path("/dev"), help="Where sandboxes find the GPUs' /dev/nvidia* nodes (tests use stand-in nodes)."
     ),
+    channel: bool = typer.Option(
+        True,
+        "--channel/--no-channel",
+        help="Leases and reports over the controller's WebSocket (else HTTP only).",
+    ),
     verbose: bool = typer.Option(False, "-v", "--verbose"),
 ) -> None:
     """A worker: serves the given apps (and presets) with the GPUs it finds."""
@@ -296,7 +301,7 @@ def worker(
                              name=name or socket.gethostname(), gpus=gpus, strategy=strategy, cpus=cpus,
                              heartbeat_s=heartbeat_s, canary_command=shlex.split(canary) if canary else None,
                              canary_backoff_s=canary_backoff_s, scrub_command=scrub_command, ca_cert=ca_cert,
-                             storage=storage.expanduser() if storage else None)  # fmt: skip
+                             storage=storage.expanduser() if storage else None, channel=channel)  # fmt: skip
     run_agent_until_signalled(Agent(settings, runnables, discovery))
 
 

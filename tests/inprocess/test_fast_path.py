@@ -14,7 +14,7 @@ from tests.inprocess.conftest import Api, Worker
 from turnout.access import Principal
 from turnout.api.fastpath import FastPath
 from turnout.api.pipelines import RunIn
-from turnout.api.schemas import CompleteIn, FastJSON, TaskIn
+from turnout.api.schemas import CompleteIn, FastJSON, LeaseIn, TaskIn
 from turnout.auth import WorkerCredential
 from turnout.errors import NotFound, RateLimited
 
@@ -79,6 +79,10 @@ def fast_path(api: Api, answered: list[Any]) -> tuple[FastPath, Rest]:
             raise NotFound("no such attempt", field="results.0.attempt")
         return FastJSON({"fast": True})
 
+    async def leased(worker_id: str, body: LeaseIn, me: WorkerCredential) -> FastJSON:
+        answered.append((worker_id, body, me))
+        return FastJSON({"leased": True})
+
     async def submitted(body: TaskIn, p: Principal) -> FastJSON:
         answered.append((body, p))
         if body.priority == 9:
@@ -90,7 +94,9 @@ def fast_path(api: Api, answered: list[Any]) -> tuple[FastPath, Rest]:
         return FastJSON({"started": True}, status_code=201)
 
     rest = Rest()
-    return FastPath(rest, api.service, complete=answer, submit=submitted, start_run=started), rest
+    return FastPath(
+        rest, api.service, complete=answer, lease=leased, submit=submitted, start_run=started
+    ), rest
 
 
 async def test_a_plain_report_is_answered_without_the_route(api: Api, worker: Worker) -> None:
@@ -103,6 +109,25 @@ async def test_a_plain_report_is_answered_without_the_route(api: Api, worker: Wo
     [(worker_id, report, me)] = answered
     assert worker_id == worker.id and me.worker_id == worker.id
     assert report == CompleteIn.model_validate(REPORT)
+
+
+async def test_a_plain_lease_poll_is_answered_without_the_route(api: Api, worker: Worker) -> None:
+    answered: list[Any] = []
+    app, rest = fast_path(api, answered)
+    poll = {"max_tasks": 2, "running": [], "wait_s": 5}
+    status, body = await call(
+        app, f"/v1/workers/{worker.id}/lease", headers(worker), json.dumps(poll).encode()
+    )
+    assert (status, body, rest.bodies) == (200, {"leased": True}, [])
+    [(worker_id, lease, me)] = answered
+    assert worker_id == worker.id and me.worker_id == worker.id and lease == LeaseIn.model_validate(poll)
+    # another worker's secret, or a body the model refuses: the route's own answer
+    for hdrs, sent in (
+        (headers(worker, **{"X-Worker-Secret": "nope"}), poll),
+        (headers(worker), {"wait_s": -1}),
+    ):
+        await call(app, f"/v1/workers/{worker.id}/lease", hdrs, json.dumps(sent).encode())
+    assert len(answered) == 1 and len(rest.bodies) == 2
 
 
 async def test_an_error_the_answer_raises_is_rendered_as_the_route_would(api: Api, worker: Worker) -> None:

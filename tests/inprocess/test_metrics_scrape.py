@@ -34,6 +34,8 @@ FAMILIES = {
     "turnout_routing_decisions": "counter",
     "turnout_routing_decisions_created": "gauge",  # prometheus-client's creation time of each counter child
     "turnout_lease_expiries": "counter",
+    "turnout_worker_channel_requests": "counter",  # no child here: in-process workers speak HTTP only
+    "turnout_worker_channels_open": "gauge",
     "turnout_workers": "gauge",
     "turnout_worker_active_tasks": "gauge",
     "turnout_worker_heartbeat_age_seconds": "gauge",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Processes
+from tests.conftest import Processes, channel_requests
 from tests.remote import TlsCluster, private_ca
 from turnout.client import Client
 from turnout.errors import InvalidInput
@@ -44,6 +44,8 @@ def test_a_worker_the_cli_and_the_sdk_reach_a_tls_controller_trusting_a_private_
     # Then both tasks ran on the worker, over https
     assert cli.returncode == 0, cli.stderr
     assert '"n": 7' in cli.stdout and task["state"] == "succeeded" and task["output"]["n"] == 8
+    # the worker's results went over its channel: a WebSocket over TLS, trusting the same CA
+    assert channel_requests(tls_cluster.api("GET", "/metrics").text, "complete") >= 2
     by_env = subprocess.run([sys.executable, "-m", "turnout.cli", "tasks", "--json"], env={**env, "TURNOUT_CA_CERT": ca},
                             capture_output=True, text=True, timeout=60)  # fmt: skip
     assert by_env.returncode == 0 and task["id"] in by_env.stdout, by_env.stderr

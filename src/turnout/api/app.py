@@ -15,6 +15,7 @@ from turnout import __version__
 from turnout.api import (
     audit,
     capabilities,
+    channel,
     dashboard,
     docs,
     errors,
@@ -62,8 +63,8 @@ def create_app(service: Service) -> FastAPI:
     task_routes = tasks.router(service, guards)
     pipeline_routes = pipelines.router(service, guards)
     # inside the limits: reports, single submissions and run starts answered without FastAPI's machinery when plain
-    app.add_middleware(FastPath, service=service, complete=worker_routes.complete, submit=task_routes.submit,
-                       start_run=pipeline_routes.start)  # fmt: skip
+    app.add_middleware(FastPath, service=service, complete=worker_routes.complete, lease=worker_routes.lease,
+                       submit=task_routes.submit, start_run=pipeline_routes.start)  # fmt: skip
     app.add_middleware(BodyLimit, limits=settings.request_limits)
     app.add_middleware(SubmitGate, service=service)  # outermost: 429 over the rate, body unread
 
@@ -77,6 +78,9 @@ def create_app(service: Service) -> FastAPI:
     app.include_router(tokens.router(service, guards))
     app.include_router(audit.router(service, guards))
     app.include_router(lifeline.router(service, guards.this_worker()))  # held by the worker as it heartbeats
+    app.router.routes.append(
+        channel.route(app, guards, metrics)
+    )  # the worker's leases and reports, over a WebSocket
     app.include_router(dashboard.router(service, guards))
     app.mount("/static", dashboard.static_files(), name="static")
     app.include_router(pipeline_routes.router)

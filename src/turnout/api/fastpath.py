@@ -1,19 +1,19 @@
 """The hot routes answered without FastAPI's per-request machinery, when they could be answered no other way.
 
-A worker's report (`POST /v1/workers/{id}/complete`, once per finished task or batch from every worker), a
-single submission (`POST /v1/tasks`, once per task from every client submitting one at a time) and a pipeline
-run's start (`POST /v1/pipelines/{name}/runs`, with or without `?wait=S`). Routing through
-the included routers, solving the caller's check as a dependency, and building the request and the response
-objects took about as much of the controller's event loop as the work itself. `FastPath` answers them
-directly, with the routes' own answers (`protocol.WorkerRoutes.complete`, `tasks.TaskRoutes.submit`,
+A worker's report (`POST /v1/workers/{id}/complete`, once per finished task or batch from every worker), its
+lease poll (`POST /v1/workers/{id}/lease`, once per task that finds an idle worker), a single submission
+(`POST /v1/tasks`, once per task from every client submitting one at a time) and a pipeline run's start
+(`POST /v1/pipelines/{name}/runs`, with or without `?wait=S`). Routing through the included routers, solving
+the caller's check as a dependency, and building the request and the response objects took about as much of
+the controller's event loop as the work itself. `FastPath` answers them directly, with the routes' own
+answers (`protocol.WorkerRoutes.complete` and `.lease`, `tasks.TaskRoutes.submit`,
 `pipelines.PipelineRoutes.start`), when the caller is plainly allowed by what is cached (a token already
-verified; for a report, the worker's credential and its secret), the body is JSON that the route's model
-validates, and the query string is one the route takes, written plainly. Anything else (an unknown token, a
-wrong secret, a role that may not, a body the model refuses, another content type, any other query string) goes
-on to the
-route with the body replayed, so every refusal is the route's own, word for word. An error the answer raises
-is rendered as the app's handlers render it. Limits stay with the middleware around this one (`BodyLimit`,
-`SubmitGate`).
+verified; for a report or a lease, the worker's credential and its secret), the body is JSON that the route's
+model validates, and the query string is one the route takes, written plainly. Anything else (an unknown
+token, a wrong secret, a role that may not, a body the model refuses, another content type, any other query
+string) goes on to the route with the body replayed, so every refusal is the route's own, word for word. An
+error the answer raises is rendered as the app's handlers render it. Limits stay with the middleware around
+this one (`BodyLimit`, `SubmitGate`).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from turnout.access import ANONYMOUS_OPERATOR, Action, Principal, allow
 from turnout.api.errors import error_response, unexpected_response
 from turnout.api.pipelines import MAX_WAIT_S, RunIn, StartAnswer
-from turnout.api.protocol import CompleteAnswer
-from turnout.api.schemas import CompleteIn, TaskIn
+from turnout.api.protocol import CompleteAnswer, LeaseAnswer
+from turnout.api.schemas import CompleteIn, LeaseIn, TaskIn
 from turnout.api.service import Service
 from turnout.api.strictjson import strict_loads
 from turnout.api.tasks import SubmitAnswer
@@ -41,6 +41,7 @@ from turnout.auth import check as check_worker
 from turnout.errors import TurnoutError
 
 REPORT = re.compile(r"/v1/workers/([A-Za-z0-9_]{1,64})/complete")
+LEASE = re.compile(r"/v1/workers/([A-Za-z0-9_]{1,64})/lease")
 SUBMIT = re.compile(r"/v1/tasks")
 START_RUN = re.compile(r"/v1/pipelines/([A-Za-z0-9_.-]{1,64})/runs")
 PLAIN_SECONDS = re.compile(
@@ -71,6 +72,7 @@ class FastPath:
         app: ASGIApp,
         service: Service,
         complete: CompleteAnswer,
+        lease: LeaseAnswer,
         submit: SubmitAnswer,
         start_run: StartAnswer,
     ) -> None:
@@ -79,6 +81,7 @@ class FastPath:
         self.routes = (
             _Route(REPORT, self._worker, CompleteIn,
                    lambda found, body, me, _: complete(found.group(1), body, me)),
+            _Route(LEASE, self._worker, LeaseIn, lambda found, body, me, _: lease(found.group(1), body, me)),
             _Route(SUBMIT, self._submitter, TaskIn, lambda _, body, p, __: submit(body, p)),
             _Route(START_RUN, self._submitter, RunIn,
                    lambda found, body, p, q: start_run(found.group(1), body, q["wait"], p), _wait_only),

@@ -42,7 +42,6 @@ class Guards:
 
     def this_worker(self) -> Any:
         """Worker routes: the caller must be the worker in the URL (its token and its secret); else 403."""
-        service = self.service
 
         async def check(
             worker_id: str,
@@ -51,11 +50,18 @@ class Guards:
                 None, description="the secret /v1/workers/register answered"
             ),
         ) -> WorkerCredential:
-            p = allow(await self.principal_of(authorization), Action.WORKER)
-            cred = service.workers.cached(worker_id) or await service.read(service.workers.lookup, worker_id)
-            return check_worker(cred, p, x_worker_secret)
+            return await self.worker_of(worker_id, authorization, x_worker_secret)
 
         return Depends(check)
+
+    async def worker_of(
+        self, worker_id: str, authorization: str | None, secret: str | None
+    ) -> WorkerCredential:
+        """The credential of the worker `worker_id` when the caller proves to be it; raises 401/403 otherwise."""
+        p = allow(await self.principal_of(authorization), Action.WORKER)
+        service = self.service
+        cred = service.workers.cached(worker_id) or await service.read(service.workers.lookup, worker_id)
+        return check_worker(cred, p, secret)
 
     async def visible_workers(self, p: Principal) -> list[Worker]:
         """The workers this caller sees: its tenant's and the shared pool's (the operator: all)."""

@@ -8,8 +8,9 @@ Two kinds of series, chosen by whether a number must survive a restart and agree
   restart, and every replica behind a load balancer answers the same. The finished-task counters and the
   histogram come from one grouped scan of the task table per scrape.
 - **Counted where the event happens, in this process** (`Metrics.routing`, the controller's
-  `lease_expiries`): a routing decision is made once, at lease time, and only its last outcome is stored on
-  the task; a lease expiry is a moment, not a state. These reset when the controller restarts, which
+  `lease_expiries`, the worker channels): a routing decision is made once, at lease time, and only its last
+  outcome is stored on the task; a lease expiry is a moment, not a state; a channel is a connection to this
+  process. These reset when the controller restarts, which
   Prometheus' `rate()` and `increase()` handle; with several replicas, `sum()` them.
 
 Each app has its own `CollectorRegistry` (never the global one), so several controllers can live in one
@@ -25,7 +26,7 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -53,6 +54,16 @@ class Metrics:
             ["device", "reason"],
             registry=self.registry,
         )
+        self.channel_requests = Counter(
+            "turnout_worker_channel_requests",
+            "Worker protocol requests answered over the WebSocket channel rather than HTTP, by call.",
+            ["call"],
+            registry=self.registry,
+        )
+        self.channels_open = Gauge(
+            "turnout_worker_channels_open", "Worker channels (WebSockets) open on this controller.",
+            registry=self.registry,
+        )  # fmt: skip
         self.registry.register(StateCollector(controller))
 
     def observe_leases(self, leases: Sequence[Lease]) -> None:

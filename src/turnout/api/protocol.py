@@ -46,15 +46,17 @@ from turnout.models import Worker
 from turnout.runs import MAX_NOTED
 
 CompleteAnswer = Callable[[str, CompleteIn, WorkerCredential], Awaitable[FastJSON]]
+LeaseAnswer = Callable[[str, LeaseIn, WorkerCredential], Awaitable[FastJSON]]
 LISTED_BEFORE_S = 5.0  # how long before its poll reached us a worker may have written the poll's `running`
 
 
 @dataclass(frozen=True)
 class WorkerRoutes:
-    """The protocol's router, and the answer to a report (`complete`), which `fastpath.py` also gives."""
+    """The protocol's router, and the answers to a report (`complete`) and a lease, which `fastpath.py` also gives."""
 
     router: APIRouter
     complete: CompleteAnswer
+    lease: LeaseAnswer
 
 
 def router(service: Service, guards: Guards, metrics: Metrics) -> WorkerRoutes:
@@ -220,4 +222,4 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> WorkerRoutes:
         service.changed()
         return {"ok": True}
 
-    return WorkerRoutes(api, complete_answer)
+    return WorkerRoutes(api, complete_answer, lease)

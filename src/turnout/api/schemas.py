@@ -238,8 +238,9 @@ class HeartbeatIn(Strict):
 
 # What this controller's worker protocol offers beyond the first version, named in the register answer so a
 # worker uses only what its controller understands: "complete_lease": `complete` may carry `lease`; "chain":
-# chained pipeline stages; "lease_if_queued": that lease may ask only for what the results themselves queue.
-WORKER_FEATURES = ("complete_lease", "chain", "lease_if_queued")
+# chained pipeline stages; "lease_if_queued": that lease may ask only for what the results themselves queue;
+# "channel": leases and reports may go over the WebSocket `/v1/workers/{id}/channel` (api/channel.py).
+WORKER_FEATURES = ("complete_lease", "chain", "lease_if_queued", "channel")
 
 
 class LeaseAskIn(Strict):

@@ -74,6 +74,7 @@ class AgentSettings:
     ca_cert: Path | None = None  # trust this CA (PEM) for an https controller, e.g. a private one
     storage: Path | None = None  # the controller's file storage, mounted here: files move without HTTP
     lease_wait_s: float = 20.0  # how long one lease request waits for work at the controller
+    channel: bool = True  # leases and reports over the controller's WebSocket channel where it offers one
 
 
 def jittered(delay_s: float) -> float:
@@ -106,7 +107,7 @@ class Agent:
         )
         self._stop_reason: dict[str, dict[str, Any]] = {}  # why the worker itself stopped a task
         self.client = ControllerClient(settings.controller_url, settings.token, transport=transport,
-                                       ca_cert=settings.ca_cert)  # fmt: skip
+                                       ca_cert=settings.ca_cert, channel=settings.channel)  # fmt: skip
         self.files = WorkerFiles(self.client.http, storage=settings.storage)
         self.hand_over = HandOver(settings.scrub_command, close_idle=self._close_idle_on,
                                   record=self._record_scrub, quarantine=self._quarantine)  # fmt: skip
