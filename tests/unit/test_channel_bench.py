@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from bench import bench_channel
@@ -14,6 +15,18 @@ def rep(bulk: float, p50: float, cpu: float) -> dict[str, Any]:
         "single": {"tasks_per_s": bulk / 2, "all_succeeded": True},
         "latency": {"p50_ms": p50, "p99_ms": 2 * p50, "all_succeeded": True},
     }  # fmt: skip
+
+
+def test_one_call_on_each_road_is_measured_against_a_real_controller(tmp_path: Path) -> None:
+    calls = bench_channel.per_call(tmp_path, 50)
+    assert calls["calls"] == 50
+    costs = [calls[f"{call}_{road}"] for call in bench_channel.REQUESTS for road in ("http", "channel")]
+    assert all(c["wall_ms"] > 0 and c["controller_cpu_ms"] >= 0 and c["caller_cpu_ms"] >= 0 for c in costs)
+    assert sum(c["controller_cpu_ms"] for c in costs) > 0  # /proc counts in clock ticks: 50 calls may read 0
+    text = bench_channel.summary({**bench_channel.compare({"channel": {"reps": []}, "http": {"reps": []}}),
+                                  "params": {"n": 10, "reps": 0}, "loadavg_at_start": [1.0],
+                                  "loadavg_at_end": [1.0], "calls": calls})  # fmt: skip
+    assert "lease" in text and "events" in text
 
 
 def test_the_ratios_are_the_channels_medians_over_https() -> None:
