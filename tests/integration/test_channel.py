@@ -260,9 +260,10 @@ def test_the_workers_client_sends_leases_and_reports_over_the_channel(c: Cluster
                 return await call(what, payload, timeout_s)
 
             client.channel.call = counted  # type: ignore[method-assign]
-            task = await asyncio.to_thread(c.submit, "ch_client")
+            task = await asyncio.to_thread(c.submit, "ch_client", {"big": 2**70 + 1})
             leased = await client.lease({"max_tasks": 1, "running": []}, wait_s=5)
             assert leased is not None and [t["id"] for t in leased["tasks"]] == [task["id"]]
+            assert leased["tasks"][0]["input"] == {"big": 2**70 + 1}  # past 64 bits: no orjson on the way in
             resp = await client.report("complete", orjson.dumps({"results": [ok(leased["tasks"][0])]}))
             assert resp.status_code == 200 and resp.json()["accepted"] == [task["id"]]
             assert sent == ["lease", "complete"]

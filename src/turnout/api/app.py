@@ -78,9 +78,8 @@ def create_app(service: Service) -> FastAPI:
     app.include_router(tokens.router(service, guards))
     app.include_router(audit.router(service, guards))
     app.include_router(lifeline.router(service, guards.this_worker()))  # held by the worker as it heartbeats
-    app.router.routes.append(
-        channel.route(app, guards, metrics)
-    )  # the worker's leases and reports, over a WebSocket
+    # the worker's leases and reports over a WebSocket, each answered as its HTTP request by the app
+    app.router.routes.append(channel.route(app, guards, metrics))
     app.include_router(dashboard.router(service, guards))
     app.mount("/static", dashboard.static_files(), name="static")
     app.include_router(pipeline_routes.router)

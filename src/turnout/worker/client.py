@@ -26,9 +26,9 @@ log = logging.getLogger("turnout.worker")
 LIFELINE_READ_S = 15.0  # the controller pings the lifeline every 5 s; three missed pings: reconnect
 REPORT_TIMEOUT_S = 30.0
 JSON = {"Content-Type": "application/json"}
-CHANNEL_MAX_BODY = (
-    1024 * 1024
-)  # a larger report goes over HTTP: one big frame would hold up the answers behind it
+# a larger report goes over HTTP: one big frame would hold up the answers behind it
+CHANNEL_MAX_BODY = 1024 * 1024
+CHANNEL_HEADERS = ("authorization", WORKER_SECRET_HEADER.lower())  # who we are, on the channel too
 
 
 class ControllerClient:
@@ -81,8 +81,7 @@ class ControllerClient:
             url = str(
                 self.http.base_url.copy_with(scheme="wss" if self.http.base_url.scheme == "https" else "ws")
             )
-            headers = {k: v for k, v in self.http.headers.items() if k.lower() in ("authorization",
-                                                                                   WORKER_SECRET_HEADER.lower())}  # fmt: skip
+            headers = {k: v for k, v in self.http.headers.items() if k.lower() in CHANNEL_HEADERS}
             self.channel = Channel(url.rstrip("/") + self._path("channel"), headers, context_of(self.http))
 
     async def _post(self, call: str, body: bytes, timeout: httpx.Timeout | float) -> httpx.Response:
@@ -119,7 +118,7 @@ class ControllerClient:
         if resp.status_code == 404:
             return None
         resp.raise_for_status()
-        answer: dict[str, Any] = orjson.loads(resp.content)
+        answer: dict[str, Any] = resp.json()  # not orjson: a task's input may hold an integer past 64 bits
         return answer
 
     async def report(self, call: str, body: bytes) -> httpx.Response:
