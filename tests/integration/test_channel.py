@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -21,29 +21,26 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from tests.conftest import Cluster, Processes, channel_requests, free_port
+from tests.conftest import Cluster, channel_requests, free_port
 from turnout.worker.channel import Channel, ChannelUnavailable
 from turnout.worker.client import CHANNEL_MAX_BODY, ControllerClient
 
 
 @pytest.fixture(scope="module", name="c")
-def controller(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    tmp = tmp_path_factory.mktemp("channel")
-    procs = Processes()
-    try:
-        c = Cluster(tmp, procs, f"sqlite:///{tmp / 'turnout.db'}")
-        c.start_controller()
-        yield c
-    finally:
-        procs.stop_all()
+def controller(shared_cluster: Cluster) -> Cluster:
+    return shared_cluster
+
+
+def worker_body(capability: str) -> dict[str, Any]:
+    """A registration offering `capability` (one CPU a task) on a stand-in with four."""
+    return {"name": f"stand-in-{capability}", "host": "h", "cpu": 4, "memory": 2**30, "heartbeat_s": 60,
+            "variants": [{"capability": capability, "device": "cpu", "resources": {"cpu": 1}}]}  # fmt: skip
 
 
 def register(c: Cluster, capability: str, token: str | None = None) -> tuple[str, dict[str, str]]:
     """A stand-in worker offering `capability`: its id and the headers that prove who it is."""
     auth = {"Authorization": f"Bearer {token or c.token}"}
-    body = {"name": f"stand-in-{capability}", "host": "h", "cpu": 4, "memory": 2**30, "heartbeat_s": 60,
-            "variants": [{"capability": capability, "device": "cpu", "resources": {"cpu": 1}}]}  # fmt: skip
-    resp = httpx.post(f"{c.url}/v1/workers/register", json=body, headers=auth, timeout=30)
+    resp = httpx.post(f"{c.url}/v1/workers/register", json=worker_body(capability), headers=auth, timeout=30)
     assert resp.status_code == 201, resp.text
     answer = resp.json()
     assert "channel" in answer["features"]
@@ -244,13 +241,20 @@ def test_a_worker_process_runs_its_tasks_over_the_channel_unless_told_not_to(c: 
 # ---- the worker's end ----------------------------------------------------------------------------------
 
 
+@asynccontextmanager
+async def registered(c: Cluster, capability: str, channel: bool = True) -> AsyncIterator[ControllerClient]:
+    """The worker's own client, registered as a stand-in offering `capability`."""
+    client = ControllerClient(c.url, c.token, channel=channel)
+    try:
+        await client.register(worker_body(capability))
+        yield client
+    finally:
+        await client.aclose()
+
+
 def test_the_workers_client_sends_leases_and_reports_over_the_channel(c: Cluster) -> None:
     async def go() -> None:
-        client = ControllerClient(c.url, c.token)
-        try:
-            body = {"name": "ch-client", "host": "h", "cpu": 2, "memory": 2**30, "heartbeat_s": 60,
-                    "variants": [{"capability": "ch_client", "device": "cpu", "resources": {"cpu": 1}}]}  # fmt: skip
-            await client.register(body)
+        async with registered(c, "ch_client") as client:
             assert client.channel is not None
             sent: list[str] = []
             call = client.channel.call
@@ -267,8 +271,6 @@ def test_the_workers_client_sends_leases_and_reports_over_the_channel(c: Cluster
             resp = await client.report("complete", orjson.dumps({"results": [ok(leased["tasks"][0])]}))
             assert resp.status_code == 200 and resp.json()["accepted"] == [task["id"]]
             assert sent == ["lease", "complete"]
-        finally:
-            await client.aclose()
 
     asyncio.run(go())
     assert c.result(c.api("GET", "/v1/tasks?capability=ch_client").json()["tasks"][0]["id"])["state"] == (
@@ -278,11 +280,7 @@ def test_the_workers_client_sends_leases_and_reports_over_the_channel(c: Cluster
 
 def test_the_workers_client_uses_http_when_no_channel_opens_and_rests_before_trying_again(c: Cluster) -> None:
     async def go() -> None:
-        client = ControllerClient(c.url, c.token)
-        try:
-            body = {"name": "ch-fallback", "host": "h", "cpu": 2, "memory": 2**30, "heartbeat_s": 60,
-                    "variants": [{"capability": "ch_fallback", "device": "cpu", "resources": {"cpu": 1}}]}  # fmt: skip
-            await client.register(body)
+        async with registered(c, "ch_fallback") as client:
             assert client.channel is not None
             client.channel.url = f"ws://127.0.0.1:{free_port()}/nothing-listens-here"
             task = await asyncio.to_thread(c.submit, "ch_fallback")
@@ -292,39 +290,26 @@ def test_the_workers_client_uses_http_when_no_channel_opens_and_rests_before_try
                 await client.channel.call("lease", b"{}", 5)
             resp = await client.report("complete", orjson.dumps({"results": [ok(leased["tasks"][0])]}))
             assert resp.json()["accepted"] == [task["id"]]
-        finally:
-            await client.aclose()
 
     asyncio.run(go())
 
 
 def test_a_worker_told_not_to_and_a_big_report_use_http(c: Cluster) -> None:
-    body = {"name": "ch-http", "host": "h", "cpu": 2, "memory": 2**30, "heartbeat_s": 60,
-            "variants": [{"capability": "ch_http", "device": "cpu", "resources": {"cpu": 1}}]}  # fmt: skip
-
     async def go() -> None:
-        told = ControllerClient(c.url, c.token, channel=False)
-        client = ControllerClient(c.url, c.token)
-        try:
-            await told.register(body)
+        async with registered(c, "ch_http", channel=False) as told:
             assert "channel" in told.features and told.channel is None
-            await client.register(body)
+        async with registered(c, "ch_http") as client:
             assert client.channel is not None
 
             async def refuse(*_: object) -> tuple[int, bytes]:
                 raise AssertionError("a body over CHANNEL_MAX_BODY went to the channel")
 
             client.channel.call = refuse  # type: ignore[method-assign]
-            events = [
-                {"task_id": "t_" + "0" * 24, "attempt": 1, "event": {"type": "log", "line": "x" * 1000}}
-            ]
+            line = {"task_id": "t_" + "0" * 24, "attempt": 1, "event": {"type": "log", "line": "x" * 1000}}
             resp = await client.report(
-                "events", orjson.dumps({"events": events * (CHANNEL_MAX_BODY // 1000)})
+                "events", orjson.dumps({"events": [line] * (CHANNEL_MAX_BODY // 1000)})
             )
             assert resp.status_code < 500
-        finally:
-            await told.aclose()
-            await client.aclose()
 
     asyncio.run(go())
 
