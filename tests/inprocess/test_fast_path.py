@@ -14,6 +14,7 @@ from tests.inprocess.conftest import Api, Worker
 from turnout.access import Principal
 from turnout.api.fastpath import FastPath
 from turnout.api.pipelines import RunIn
+from turnout.api.protocol import EventItem
 from turnout.api.schemas import CompleteIn, FastJSON, LeaseIn, TaskIn
 from turnout.auth import WorkerCredential
 from turnout.errors import NotFound, RateLimited
@@ -83,6 +84,10 @@ def fast_path(api: Api, answered: list[Any]) -> tuple[FastPath, Rest]:
         answered.append((worker_id, body, me))
         return FastJSON({"leased": True})
 
+    async def stored(worker_id: str, items: list[EventItem], me: WorkerCredential) -> FastJSON:
+        answered.append((worker_id, items, me))
+        return FastJSON({"stored": len(items)})
+
     async def submitted(body: TaskIn, p: Principal) -> FastJSON:
         answered.append((body, p))
         if body.priority == 9:
@@ -94,9 +99,9 @@ def fast_path(api: Api, answered: list[Any]) -> tuple[FastPath, Rest]:
         return FastJSON({"started": True}, status_code=201)
 
     rest = Rest()
-    return FastPath(
-        rest, api.service, complete=answer, lease=leased, submit=submitted, start_run=started
-    ), rest
+    fast = FastPath(rest, api.service, complete=answer, lease=leased, events=stored, submit=submitted,
+                    start_run=started)  # fmt: skip
+    return fast, rest
 
 
 async def test_a_plain_report_is_answered_without_the_route(api: Api, worker: Worker) -> None:
@@ -127,6 +132,23 @@ async def test_a_plain_lease_poll_is_answered_without_the_route(api: Api, worker
         (headers(worker), {"wait_s": -1}),
     ):
         await call(app, f"/v1/workers/{worker.id}/lease", hdrs, json.dumps(sent).encode())
+    assert len(answered) == 1 and len(rest.bodies) == 2
+
+
+async def test_a_plain_event_batch_is_answered_without_the_route(api: Api, worker: Worker) -> None:
+    answered: list[Any] = []
+    app, rest = fast_path(api, answered)
+    batch = {"events": [{"task_id": "t_1", "attempt": 1, "event": {"type": "log", "line": "hi"}}]}
+    path = f"/v1/workers/{worker.id}/events"
+    assert await call(app, path, headers(worker), json.dumps(batch).encode()) == (200, {"stored": 1})
+    assert answered == [(worker.id, [("t_1", 1, {"type": "log", "line": "hi"})], answered[0][2])]
+    # more events than a request may hold, or a malformed one: the route refuses it, in its own words
+    too_many = {
+        "events": batch["events"]
+        * (api.service.controller.settings.request_limits.max_events_per_request + 1)
+    }
+    for sent in (too_many, {"events": [{"task_id": "t_1", "attempt": 0, "event": {}}]}):
+        await call(app, path, headers(worker), json.dumps(sent).encode())
     assert len(answered) == 1 and len(rest.bodies) == 2
 
 

@@ -1,15 +1,16 @@
 """The hot routes answered without FastAPI's per-request machinery, when they could be answered no other way.
 
 A worker's report (`POST /v1/workers/{id}/complete`, once per finished task or batch from every worker), its
-lease poll (`POST /v1/workers/{id}/lease`, once per task that finds an idle worker), a single submission
+lease poll (`POST /v1/workers/{id}/lease`, once per task that finds an idle worker) and its event batches
+(`POST /v1/workers/{id}/events`, many a second from a chatty task), a single submission
 (`POST /v1/tasks`, once per task from every client submitting one at a time) and a pipeline run's start
 (`POST /v1/pipelines/{name}/runs`, with or without `?wait=S`). Routing through the included routers, solving
 the caller's check as a dependency, and building the request and the response objects took about as much of
 the controller's event loop as the work itself. `FastPath` answers them directly, with the routes' own
-answers (`protocol.WorkerRoutes.complete` and `.lease`, `tasks.TaskRoutes.submit`,
+answers (`protocol.WorkerRoutes.complete`, `.lease` and `.events`, `tasks.TaskRoutes.submit`,
 `pipelines.PipelineRoutes.start`), when the caller is plainly allowed by what is cached (a token already
-verified; for a report or a lease, the worker's credential and its secret), the body is JSON that the route's
-model validates, and the query string is one the route takes, written plainly. Anything else (an unknown
+verified; for a worker's call, the worker's credential and its secret), the body is JSON that the route's
+model (or parser) takes, and the query string is one the route takes, written plainly. Anything else (an unknown
 token, a wrong secret, a role that may not, a body the model refuses, another content type, any other query
 string) goes on to the route with the body replayed, so every refusal is the route's own, word for word. An
 error the answer raises is rendered as the app's handlers render it. Limits stay with the middleware around
@@ -31,8 +32,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from turnout.access import ANONYMOUS_OPERATOR, Action, Principal, allow
 from turnout.api.errors import error_response, unexpected_response
 from turnout.api.pipelines import MAX_WAIT_S, RunIn, StartAnswer
-from turnout.api.protocol import CompleteAnswer, LeaseAnswer
-from turnout.api.schemas import CompleteIn, LeaseIn, TaskIn
+from turnout.api.protocol import CompleteAnswer, EventsAnswer, LeaseAnswer
+from turnout.api.schemas import CompleteIn, LeaseIn, TaskIn, parse_events
 from turnout.api.service import Service
 from turnout.api.strictjson import strict_loads
 from turnout.api.tasks import SubmitAnswer
@@ -42,6 +43,7 @@ from turnout.errors import TurnoutError
 
 REPORT = re.compile(r"/v1/workers/([A-Za-z0-9_]{1,64})/complete")
 LEASE = re.compile(r"/v1/workers/([A-Za-z0-9_]{1,64})/lease")
+EVENTS = re.compile(r"/v1/workers/([A-Za-z0-9_]{1,64})/events")
 SUBMIT = re.compile(r"/v1/tasks")
 START_RUN = re.compile(r"/v1/pipelines/([A-Za-z0-9_.-]{1,64})/runs")
 PLAIN_SECONDS = re.compile(
@@ -54,12 +56,12 @@ Params = dict[str, Any]
 
 @dataclass(frozen=True)
 class _Route:
-    """One hot route: its path, who may call it as far as the caches tell (None: unsure), its body's model,
+    """One hot route: its path, who may call it as far as the caches tell (None: unsure), its body's parser,
     its query parameters as far as plainly written (None: only the route can tell), and its answer."""
 
     path: re.Pattern[str]
     caller: Callable[[dict[bytes, bytes], re.Match[str]], Any | None]
-    model: type[pydantic.BaseModel]
+    parse: Callable[[Any], Any]  # the JSON body -> what the answer takes; raises what the route would refuse
     answer: Callable[[re.Match[str], Any, Any, Params], Awaitable[Response]]
     params: Callable[[bytes], Params | None] = lambda query: {} if not query else None
 
@@ -73,17 +75,22 @@ class FastPath:
         service: Service,
         complete: CompleteAnswer,
         lease: LeaseAnswer,
+        events: EventsAnswer,
         submit: SubmitAnswer,
         start_run: StartAnswer,
     ) -> None:
         self.app = app
         self.service = service
+        limits = service.controller.settings.request_limits
         self.routes = (
-            _Route(REPORT, self._worker, CompleteIn,
+            _Route(REPORT, self._worker, CompleteIn.model_validate,
                    lambda found, body, me, _: complete(found.group(1), body, me)),
-            _Route(LEASE, self._worker, LeaseIn, lambda found, body, me, _: lease(found.group(1), body, me)),
-            _Route(SUBMIT, self._submitter, TaskIn, lambda _, body, p, __: submit(body, p)),
-            _Route(START_RUN, self._submitter, RunIn,
+            _Route(LEASE, self._worker, LeaseIn.model_validate,
+                   lambda found, body, me, _: lease(found.group(1), body, me)),
+            _Route(EVENTS, self._worker, lambda body: parse_events(body, limits),
+                   lambda found, items, me, _: events(found.group(1), items, me)),
+            _Route(SUBMIT, self._submitter, TaskIn.model_validate, lambda _, body, p, __: submit(body, p)),
+            _Route(START_RUN, self._submitter, RunIn.model_validate,
                    lambda found, body, p, q: start_run(found.group(1), body, q["wait"], p), _wait_only),
         )  # fmt: skip
 
@@ -103,7 +110,7 @@ class FastPath:
         if body is None:
             return  # the client left (or BodyLimit refused the body and answered): nothing to say
         try:
-            request = route.model.model_validate(strict_loads(body))
+            request = route.parse(strict_loads(body))
         except (TurnoutError, pydantic.ValidationError, ValueError):
             await self.app(scope, _replay(body, receive), send)  # the route says what is wrong, as always
             return

@@ -47,16 +47,20 @@ from turnout.runs import MAX_NOTED
 
 CompleteAnswer = Callable[[str, CompleteIn, WorkerCredential], Awaitable[FastJSON]]
 LeaseAnswer = Callable[[str, LeaseIn, WorkerCredential], Awaitable[FastJSON]]
+EventItem = tuple[str, int, dict[str, Any]]  # (task_id, attempt, event), as `parse_events` checked it
+EventsAnswer = Callable[[str, list[EventItem], WorkerCredential], Awaitable[FastJSON]]
 LISTED_BEFORE_S = 5.0  # how long before its poll reached us a worker may have written the poll's `running`
 
 
 @dataclass(frozen=True)
 class WorkerRoutes:
-    """The protocol's router, and the answers to a report (`complete`) and a lease, which `fastpath.py` also gives."""
+    """The protocol's router, and the answers to a report (`complete`), a lease and an event batch, which
+    `fastpath.py` also gives."""
 
     router: APIRouter
     complete: CompleteAnswer
     lease: LeaseAnswer
+    events: EventsAnswer
 
 
 def router(service: Service, guards: Guards, metrics: Metrics) -> WorkerRoutes:
@@ -210,11 +214,13 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> WorkerRoutes:
     async def worker_events(
         worker_id: str, request: Request, me: WorkerCredential = this_worker()
     ) -> FastJSON:
-        items = parse_events(await json_body(request), limits)
+        return await events_answer(worker_id, parse_events(await json_body(request), limits), me)
+
+    async def events_answer(worker_id: str, items: list[EventItem], me: WorkerCredential) -> FastJSON:
         last = await service.call(ctrl.append_events, worker_id, items)
         if last:
             service.events_added.notify()
-        return FastJSON({"stored": sum(1 for _ in items) if last else 0})
+        return FastJSON({"stored": len(items) if last else 0})
 
     @api.post("/v1/workers/{worker_id}/leave")
     async def leave(worker_id: str, me: WorkerCredential = this_worker()) -> dict[str, Any]:
@@ -222,4 +228,4 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> WorkerRoutes:
         service.changed()
         return {"ok": True}
 
-    return WorkerRoutes(api, complete_answer, lease)
+    return WorkerRoutes(api, complete_answer, lease, events_answer)
