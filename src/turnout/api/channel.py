@@ -22,7 +22,6 @@ queue, since it never lists them as running).
 from __future__ import annotations
 
 import asyncio
-import logging
 import re
 from typing import Any
 
@@ -35,8 +34,6 @@ from turnout.api.errors import error_response, unexpected_response
 from turnout.api.guards import Guards
 from turnout.api.metrics import Metrics
 from turnout.errors import NotFound, TurnoutError
-
-log = logging.getLogger("turnout.api")
 
 PATH = "/v1/workers/{worker_id}/channel"
 CALLS = frozenset({"lease", "complete", "events", "scrubs"})
@@ -56,8 +53,8 @@ def route(app: ASGIApp, guards: Guards, metrics: Metrics) -> WebSocketRoute:
         try:
             await guards.worker_of(worker_id, ws.headers.get("authorization"),
                                    ws.headers.get(WORKER_SECRET_HEADER))  # fmt: skip
-        except TurnoutError as exc:
-            await ws.close(code=POLICY_VIOLATION, reason=exc.message[:120])
+        except TurnoutError:  # refused before the accept: the worker sees a 403 (its HTTP call says why)
+            await ws.close(code=POLICY_VIOLATION)
             return
         await ws.accept()
         metrics.channels_open.inc()
