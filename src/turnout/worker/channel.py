@@ -24,6 +24,7 @@ from websockets.exceptions import ConnectionClosed, WebSocketException
 log = logging.getLogger("turnout.worker")
 
 OPEN_TIMEOUT_S = 5.0
+CLOSE_TIMEOUT_S = 1.0  # closing is a courtesy: a worker leaving never waits long on a controller gone quiet
 FIRST_RETRY_S = 1.0
 MAX_RETRY_S = 30.0
 
@@ -99,7 +100,7 @@ class Channel:
             try:
                 conn = await connect(self.url, additional_headers=self.headers, ssl=self.tls,
                                      compression=None, max_size=None, open_timeout=OPEN_TIMEOUT_S,
-                                     user_agent_header="turnout-worker")  # fmt: skip
+                                     close_timeout=CLOSE_TIMEOUT_S, user_agent_header="turnout-worker")  # fmt: skip
             except (OSError, WebSocketException, asyncio.TimeoutError) as exc:
                 log.info("no channel to the controller (%s: %s); HTTP for %.0f s", type(exc).__name__, exc,
                          self._retry_s)  # fmt: skip
