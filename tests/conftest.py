@@ -129,10 +129,15 @@ class Cluster:
                               text=True, timeout=timeout, stdin=subprocess.DEVNULL)  # fmt: skip
 
 
+def sample(metrics: str, series: str) -> float:
+    """The value of one sample (`name{labels}`, as written) in a controller's `/metrics` text; 0 if absent."""
+    prefix = f"{series} "
+    return sum(float(line.removeprefix(prefix)) for line in metrics.splitlines() if line.startswith(prefix))
+
+
 def channel_requests(metrics: str, call: str) -> float:
     """How many `call` requests a controller's `/metrics` text says its workers sent over their channels."""
-    series = f'turnout_worker_channel_requests_total{{call="{call}"}} '
-    return sum(float(line.removeprefix(series)) for line in metrics.splitlines() if line.startswith(series))
+    return sample(metrics, f'turnout_worker_channel_requests_total{{call="{call}"}}')
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from tests.conftest import Cluster, channel_requests, free_port
+from tests.conftest import Cluster, channel_requests, free_port, sample
 from turnout.worker.channel import Channel, ChannelUnavailable
 from turnout.worker.client import CHANNEL_MAX_BODY, ControllerClient
 
@@ -105,9 +105,7 @@ def test_a_long_poll_on_the_channel_is_passed_by_a_report_and_answered_when_work
 
 
 def channels_open(c: Cluster) -> float:
-    series = "turnout_worker_channels_open "
-    return next(float(line.removeprefix(series)) for line in c.api("GET", "/metrics").text.splitlines()
-                if line.startswith(series))  # fmt: skip
+    return sample(c.api("GET", "/metrics").text, "turnout_worker_channels_open")
 
 
 def test_a_request_on_the_channel_is_refused_in_the_same_words_as_over_http(c: Cluster) -> None:
