@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -677,12 +677,13 @@ class Controller:
         chains.reports = {c.task_id: c for c in completions}
         # one look for the report's tasks and every chained id it names (most are its later results' tasks)
         named = {c.chain for c in completions if c.chain}
-        found = {t.id: t for t in self.store.get_tasks({c.task_id for c in completions} | named)}
+        looked = {c.task_id for c in completions} | named
+        found = {t.id: t for t in self.store.get_tasks(looked)}
         chains.taken = named & found.keys()
         while left:
             chained_before = len(chains.accepted)
-            done, left = self._settle_round(worker_id, left, chains, ended, views, found)
-            found = {}
+            done, left = self._settle_round(worker_id, left, chains, ended, views, found, looked)
+            found, looked = {}, set()
             accepted += done
             settled_by_runs = [c.task_id for c in left if c.task_id in chains.settled]
             accepted += settled_by_runs  # chained stages recorded, with their results, as they were created
@@ -704,14 +705,19 @@ class Controller:
         ended_so_far: list[Task],
         views: dict[str, RunView],
         found: Mapping[str, Task],
+        looked: Set[str],
     ) -> tuple[list[str], list[Completion]]:
         """Settle the results whose tasks exist; returns what was accepted and the results whose tasks do not
-        exist (yet: a chain this round accepted may have created them). `found`: tasks already read for it;
-        `ended_so_far` and `views` gather the tasks it ends and the runs it moves on, as written."""
+        exist (yet: a chain this round accepted may have created them). `found`: tasks already read for it,
+        out of the ids `looked` for (those not found do not exist: a chained stage's task, before its chain is
+        settled, is not read again); `ended_so_far` and `views` gather the tasks it ends and the runs it moves
+        on, as written."""
         now = self.clock()
         known = {c.task_id: chains.created[c.task_id] for c in completions if c.task_id in chains.created}
         known.update((c.task_id, found[c.task_id]) for c in completions if c.task_id in found)
-        fetched = self.store.get_tasks(c.task_id for c in completions if c.task_id not in known)
+        fetched = self.store.get_tasks(
+            c.task_id for c in completions if c.task_id not in known and c.task_id not in looked
+        )
         tasks = {**known, **{t.id: t for t in fetched}}
         updates = []
         finished: list[Task] = []
