@@ -175,11 +175,13 @@ def bench_celery(n: int, task_s: float, kill_after_s: float, restart_after_s: fl
                 "--concurrency", "2", "--loglevel", "WARNING", "-n", f"{name}-{os.getpid()}@%h"]  # fmt: skip
         proc = procs.start(argv, env, tmp / f"celery-{name}.log")
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and proc.poll() is None:
             replies = app.control.ping(timeout=0.5) or []
             if any(name in key for r in replies for key in r):
                 return proc
-        raise RuntimeError(f"celery worker {name} did not answer ping")
+        why = "exited" if proc.poll() is not None else "did not answer ping in 60 s"
+        tail = (tmp / f"celery-{name}.log").read_text(errors="replace")[-1500:]
+        raise RuntimeError(f"celery worker {name} {why}; its log ends:\n{tail}")
 
     try:
         victim = start_worker("victim")
