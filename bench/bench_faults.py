@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import psutil
 
-from bench.common import REPO, Processes, TurnoutCluster
+from bench.common import REPO, Processes, TurnoutCluster, log_tail
 
 N_TASKS, TASK_S, KILL_AFTER_S, RESTART_AFTER_S, WATCH_S = 50, 2.0, 3.0, 2.0, 240.0
 QUICK = (20, 1.0, 2.0, 2.0, 60.0)
@@ -180,7 +180,7 @@ def bench_celery(n: int, task_s: float, kill_after_s: float, restart_after_s: fl
             if any(name in key for r in replies for key in r):
                 return proc
         why = "exited" if proc.poll() is not None else "did not answer ping in 60 s"
-        tail = (tmp / f"celery-{name}.log").read_text(errors="replace")[-1500:]
+        tail = log_tail(tmp / f"celery-{name}.log", 1500)
         raise RuntimeError(f"celery worker {name} {why}; its log ends:\n{tail}")
 
     try:

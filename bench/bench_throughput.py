@@ -45,7 +45,7 @@ from typing import Any
 import httpx
 import psutil
 
-from bench.common import REPO, RESULTS, Processes, TurnoutCluster, percentile
+from bench.common import REPO, RESULTS, Processes, TurnoutCluster, log_tail, percentile
 
 NAME = "throughput"
 REDIS_URL = "redis://127.0.0.1:6379/15"
@@ -359,7 +359,7 @@ def _celery_run(n_batch: int, n_latency: int, concurrency: int | None, timeout_s
             if len(app.control.ping(timeout=0.5) or []) >= 2:
                 break
         else:
-            logs = " | ".join((tmp / f"celery-{i}.log").read_text(errors="replace")[-800:] for i in (1, 2))
+            logs = " | ".join(log_tail(tmp / f"celery-{i}.log", 800) for i in (1, 2))
             return {"error": f"celery workers did not answer ping: {logs}"}
         group(noop.s() for _ in range(200)).apply_async().get(timeout=timeout_s)  # warm up
 

@@ -93,6 +93,11 @@ class Processes:
                 proc.wait(timeout=max(0.01, deadline - time.monotonic()))
 
 
+def log_tail(path: Path, chars: int = 3000) -> str:
+    """The end of a process's log file ("" if it never wrote one)."""
+    return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
+
 @dataclass
 class TurnoutCluster:
     """A controller on a fresh SQLite file in `tmp` (or on `db`), and `turnout worker` processes added to it."""
@@ -163,8 +168,7 @@ class TurnoutCluster:
         raise RuntimeError(f"worker {name} did not register: {self.log_tail(f'worker-{name}')}")
 
     def log_tail(self, name: str, chars: int = 3000) -> str:
-        path = self.tmp / f"{name}.log"
-        return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+        return log_tail(self.tmp / f"{name}.log", chars)
 
     def pids(self) -> dict[str, int]:
         """The controller's and workers' pids, by role (`controller`, `worker-NAME`)."""
