@@ -1,12 +1,19 @@
-"""File references in inputs and outputs: found anywhere, given paths for command workers, merged into outputs."""
+"""File references in inputs and outputs: found anywhere, given paths for command workers, merged into outputs;
+the output directory a Python task is given."""
 
 from __future__ import annotations
 
+import asyncio
+import stat
+from pathlib import Path
+
+import httpx
 import pytest
 
 from turnout.errors import InvalidInput
 from turnout.files import refs_in, set_field, with_paths
-from turnout.worker.files import TaskFileError, _with_files
+from turnout.worker.app import Context
+from turnout.worker.files import TaskFileError, WorkerFiles, _with_files
 
 A, B = "f_000000000001aaaaaaaaaaaaaaaa", "f_000000000002bbbbbbbbbbbbbbbb"
 
@@ -51,3 +58,39 @@ def test_submit_file_flags_need_an_object_input() -> None:
     assert set_field(None, "image", {"$file": A}) == {"image": {"$file": A}}
     with pytest.raises(InvalidInput):
         set_field([1], "image", {"$file": A})
+
+
+def test_a_python_tasks_output_directory_is_made_only_when_its_handler_uses_it_and_removed_behind(
+    tmp_path: Path,
+) -> None:
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url="http://127.0.0.1:9") as http:
+            files = WorkerFiles(http, scratch=tmp_path / "scratch")
+            try:
+                made_ahead = set((tmp_path / "scratch").iterdir())
+                # Given two tasks whose runner makes their directory at first use
+                quiet = await files.prepare({"id": "t_1", "attempt": 1, "input": {}}, make_output=False)
+                writer = await files.prepare({"id": "t_2", "attempt": 1, "input": {}}, make_output=False)
+                # Then neither directory is there before its handler runs, and the two are not the same
+                assert not quiet.output_dir.exists() and not writer.output_dir.exists()
+                assert quiet.output_dir != writer.output_dir and quiet.output_dir not in made_ahead
+                # When one handler writes a file and the other never looks at its directory
+                ctx = Context(
+                    task_id="t_2", attempt=1, device="cpu", gpus=[], output_dir=str(writer.output_dir)
+                )
+                (ctx.output_dir / "o.txt").write_text("x")
+                assert ctx.output_dir == writer.output_dir  # made once, mode 0700
+                assert stat.S_IMODE(writer.output_dir.stat().st_mode) == 0o700
+                # Then the quiet one is seen empty with one look, and nothing is made or removed for it
+                assert await files.collect(quiet, {"id": "t_1", "attempt": 1}, {"n": 1}) == {"n": 1}
+                assert files.remove_if_empty(quiet) and not quiet.output_dir.exists()
+                # and the writer's is not taken for empty
+                assert not files.remove_if_empty(writer)
+                # When its file is gone, Then its now-empty directory is removed behind
+                (writer.output_dir / "o.txt").unlink()
+                assert files.remove_if_empty(writer)
+            finally:
+                files.close()
+            assert not writer.output_dir.exists()
+
+    asyncio.run(scenario())

@@ -131,6 +131,7 @@ class Context:
         self._lock = lock or threading.Lock()
         self._files = files or {}
         self._output_dir = output_dir
+        self._output_made = False
 
     def path(self, ref: Any) -> Path:
         """The local path of an input file, by its reference (`{"$file": ID}`, as in the input) or its id."""
@@ -143,12 +144,19 @@ class Context:
 
     @property
     def output_dir(self) -> Path:
-        """An empty directory of this attempt's own: what the handler writes here is sent back as files."""
+        """An empty directory of this attempt's own: what the handler writes here is sent back as files.
+
+        The worker names it (a new name under its own 0700 directory) and it is made here, at its first use:
+        a task that writes no file costs the worker no change to the file system."""
         if self._output_dir is None:
             raise InvalidInput("ctx.output_dir: this task was not started by a worker that collects files, or "
                                "it runs in a batch (a batch's handler has no output directory)",
                                field="output_dir")  # fmt: skip
-        return Path(self._output_dir)
+        path = Path(self._output_dir)
+        if not self._output_made:
+            path.mkdir(mode=0o700, exist_ok=True)
+            self._output_made = True
+        return path
 
     def emit(self, event: str, **fields: Any) -> None:
         """Stream one event. A value strict JSON cannot carry (NaN, a set, a lone surrogate) raises

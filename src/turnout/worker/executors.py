@@ -44,7 +44,8 @@ def python_runnables(app_ref: str, app: WorkerApplication, base_env: dict[str, s
     out = []
     for hv in app.variants.values():
         batch = _batch_line if hv.variant.max_batch_size > 1 else None
-        out.append(Runnable(hv.variant, _python_pool(app_ref, hv, base_env), _wrapped_line, batch))
+        pool = _python_pool(app_ref, hv, base_env)
+        out.append(Runnable(hv.variant, pool, _wrapped_line, batch, makes_output_dir=True))
     return out
 
 
@@ -214,10 +215,9 @@ class Executor:
                 outcome = Outcome(False, error={"type": "not_served",
                                                 "message": f"{first['capability']} on {first['device']} is not served here"})  # fmt: skip
             else:
-                for (
-                    lease
-                ) in leases:  # a batch with one missing input fails whole: its handler takes every input
-                    files.append(await self.files.prepare(lease))
+                # a batch with one missing input fails whole: its handler takes every input
+                for lease in leases:
+                    files.append(await self.files.prepare(lease, make_output=not runnable.makes_output_dir))
                 leases_with_files = [{**lease, "files": f.inputs, "output_dir": str(f.output_dir)}
                                      for lease, f in zip(leases, files, strict=True)]  # fmt: skip
                 key = grant_key(first.get("gpus"))

@@ -94,18 +94,19 @@ class WorkerFiles:
         if self._own_scratch:
             shutil.rmtree(self.scratch, ignore_errors=True)
 
-    async def prepare(self, lease: dict[str, Any]) -> TaskFiles:
+    async def prepare(self, lease: dict[str, Any], *, make_output: bool = True) -> TaskFiles:
         """The attempt's directories and local copies (or shared paths) of its input files.
 
-        A task with no input file gets no scratch directory, and its empty output directory was made
-        ahead (`_Directories`): the common task costs the event loop no change to the file system."""
+        A task with no input file gets no scratch directory. Its output directory is only named when its
+        program makes it at first use (`make_output=False`: the Python runner), else it was made ahead
+        (`_Directories`): the common task costs the event loop no change to the file system."""
         task_id, attempt = lease["id"], lease["attempt"]
         refs = refs_in(lease.get("input"))
         scratch = self.scratch / f"{task_id}-{attempt}"
         if refs:
             shutil.rmtree(scratch, ignore_errors=True)  # a retry of this attempt on this worker starts clean
             scratch.mkdir(mode=0o700, parents=True)
-        files = TaskFiles(scratch, self._outputs.take())
+        files = TaskFiles(scratch, self._outputs.take() if make_output else self._outputs.name())
         try:
             for where, file_id in refs:
                 if file_id not in files.inputs:
@@ -141,7 +142,7 @@ class WorkerFiles:
 
     async def collect(self, files: TaskFiles, lease: dict[str, Any], output: Any) -> Any:
         """Send back what the handler left in its output directory; `output` with their references."""
-        if _empty(files.output_dir):  # the common case, seen with one read: no walk on a thread
+        if not _holds(files.output_dir):  # the common case, seen with one read: no walk on a thread
             return output
         found = list(
             await asyncio.get_running_loop().run_in_executor(None, lambda: list(walk_files(files.output_dir)))
@@ -216,11 +217,17 @@ class WorkerFiles:
             delay_s = min(delay_s * 2, MAX_BACKOFF_S)
 
     def remove_if_empty(self, files: TaskFiles) -> bool:
-        """Whether the attempt's directories hold nothing (the common case): they are then removed behind,
-        off the event loop, with anything written into them after this look."""
-        if not (_empty(files.scratch) and _empty(files.output_dir)):
-            return False
-        self._outputs.remove_later([files.scratch, files.output_dir])
+        """Whether the attempt's directories hold nothing (the common case): those that are there are then
+        removed behind, off the event loop, with anything written into them after this look."""
+        there = []
+        for d in (files.scratch, files.output_dir):
+            held = _holds(d)
+            if held:
+                return False
+            if held is False:
+                there.append(d)
+        if there:
+            self._outputs.remove_later(there)
         return True
 
     def cleanup(self, files: TaskFiles) -> None:
@@ -235,19 +242,25 @@ class _Directories:
     Making or removing a directory is a journaled change to the file system: beside a database's fsyncs
     a mkdir and an rmdir took 0.75 ms together (ext4, a 2-core VM), and a worker made and removed two per
     task on the event loop that also leases and reports for all its tasks. Each directory is handed out
-    once, never reused, so nothing one task writes late can land in another's outputs.
+    once, never reused, so nothing one task writes late can land in another's outputs. A Python handler's is
+    only named here (`name`): the runner makes it if the handler uses it, most never do.
     """
 
     STOCK = 16  # made ahead: what a burst of leases takes before the thread catches up
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)  # where a runner makes a named one
         self._stock: collections.deque[Path] = collections.deque()
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="turnout-dirs", daemon=True)
         self._thread.start()
         for _ in range(self.STOCK):
             self._jobs.put(self._make)
+
+    def name(self) -> Path:
+        """A new directory's path under the root, not made: its user makes it at first use."""
+        return _dir_name(self.root)
 
     def take(self) -> Path:
         """A new empty directory (0700) under the root."""
@@ -282,8 +295,13 @@ class _Directories:
                 log.debug("output directories: %s", exc)
 
 
+def _dir_name(root: Path) -> Path:
+    """A name no other directory had: 64 random bits, so a late or hostile writer cannot guess the next."""
+    return root / f"out-{secrets.token_hex(8)}"
+
+
 def _new_dir(root: Path) -> Path:
-    path = root / f"out-{secrets.token_hex(8)}"
+    path = _dir_name(root)
     path.mkdir(mode=0o700, parents=True)
     return path
 
@@ -298,15 +316,16 @@ def _remove(dirs: list[Path]) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def _empty(path: Path) -> bool:
-    """Whether `path` holds nothing (or is not there); one read of the directory, no write."""
+def _holds(path: Path) -> bool | None:
+    """Whether the directory `path` holds anything (True also when it cannot be read), None when it is not
+    there; one read of the directory, no write."""
     try:
         with os.scandir(path) as entries:
-            return next(entries, None) is None
+            return next(entries, None) is not None
     except FileNotFoundError:
-        return True
+        return None
     except OSError:
-        return False
+        return True
 
 
 def _transient(exc: TurnoutError) -> bool:

@@ -26,6 +26,9 @@ class Runnable:
     pool: ProcessPool
     task_line: Callable[[dict[str, Any]], str]
     batch_line: Callable[[list[dict[str, Any]]], str] | None = None  # variants with max_batch_size > 1
+    # the program makes a task's output directory at its first use (the Python runner's `ctx.output_dir`);
+    # a command or a container is given one made ahead
+    makes_output_dir: bool = False
 
 
 ProcessFactory = Callable[[tuple[str, ...]], ProtocolProcess]
