@@ -751,9 +751,10 @@ class Controller:
             updates.append((t.id, ACTIVE, c.attempt, values))
             finished.append(replace(t, **values))  # as written: the update changes only these values
         accepted = self.store.update_tasks(updates)
-        ended = [t for t in finished if t.id in set(accepted)]
+        took = set(accepted)
+        ended = [t for t in finished if t.id in took]
         for t in finished:
-            if t.id not in set(accepted):
+            if t.id not in took:
                 chains.claimed.pop(t.id, None)  # its result lost a race: the stage after it is not chained
         self._audit_releases(ended, now)  # before the re-queue's: a batch's last change releases its grant
         accepted += self._requeue(requeue, now)
