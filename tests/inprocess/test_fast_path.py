@@ -42,10 +42,11 @@ class Rest:
 
 
 async def call(
-    app: Any, path: str, headers: dict[str, str], body: bytes, query: bytes = b""
+    app: Any, path: str, headers: dict[str, str], body: bytes, query: bytes = b"", method: str = "POST"
 ) -> tuple[int, Any]:
-    """One POST through `app` as ASGI, the body in two chunks; the status and the decoded JSON answer."""
-    scope = {"type": "http", "method": "POST", "path": path, "query_string": query, "http_version": "1.1",
+    """One request (a POST unless told) through `app` as ASGI, the body in two chunks; the status and the
+    decoded JSON answer."""
+    scope = {"type": "http", "method": method, "path": path, "query_string": query, "http_version": "1.1",
              "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]}  # fmt: skip
     chunks = [{"type": "http.request", "body": body[:5], "more_body": True},
               {"type": "http.request", "body": body[5:], "more_body": False}]  # fmt: skip
@@ -98,9 +99,15 @@ def fast_path(api: Api, answered: list[Any]) -> tuple[FastPath, Rest]:
         answered.append((name, body, wait, p))
         return FastJSON({"started": True}, status_code=201)
 
+    async def result(task_id: str, wait: float, p: Principal) -> FastJSON:
+        answered.append((task_id, wait, p))
+        if task_id == "t_missing":
+            raise NotFound(f"task {task_id} not found", field="task_id")
+        return FastJSON({"result": True})
+
     rest = Rest()
     fast = FastPath(rest, api.service, complete=answer, lease=leased, events=stored, submit=submitted,
-                    start_run=started)  # fmt: skip
+                    start_run=started, result=result)  # fmt: skip
     return fast, rest
 
 
@@ -316,3 +323,49 @@ async def test_an_unsure_run_start_goes_to_the_route(api: Api, case: str) -> Non
         path = "/v1/pipeline-runs/r_0123456789abcdef01234567/cancel"
     status, answer = await call(app, path, hdrs, body)
     assert (status, answer, answered, rest.bodies) == (200, {"route": True}, [], [body])
+
+
+@pytest.mark.parametrize(("query", "wait"), [(b"", 0.0), (b"wait=30", 30.0), (b"wait=0.5", 0.5)])
+@pytest.mark.parametrize("role", ["read", "submit"])
+async def test_a_plain_wait_for_a_result_is_answered_without_the_route(
+    api: Api, query: bytes, wait: float, role: str
+) -> None:
+    answered: list[Any] = []
+    app, rest = fast_path(api, answered)
+    path = "/v1/tasks/t_0123456789abcdef01234567/result"
+    status, body = await call(app, path, await submitter(api, role), b"", query, method="GET")
+    assert (status, body, rest.bodies) == (200, {"result": True}, [])
+    [(task_id, waited, principal)] = answered
+    assert (task_id, waited, principal.home_tenant) == ("t_0123456789abcdef01234567", wait, "acme")
+
+
+async def test_a_result_the_answer_cannot_find_is_refused_as_the_route_would(api: Api) -> None:
+    app, rest = fast_path(api, [])
+    status, body = await call(app, "/v1/tasks/t_missing/result", await submitter(api), b"", method="GET")
+    assert status == 404 and body["error"]["field"] == "task_id" and rest.bodies == []
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["unknown token", "no token", "wait=3601", "wait=1e2", "wait=nan", "wait=1&x=2", "events", "the task",
+     "a POST"],
+)  # fmt: skip
+async def test_an_unsure_wait_for_a_result_goes_to_the_route(api: Api, case: str) -> None:
+    answered: list[Any] = []
+    app, rest = fast_path(api, answered)
+    hdrs = await submitter(api, "read")
+    path, query, method = "/v1/tasks/t_0123456789abcdef01234567/result", b"", "GET"
+    if case == "unknown token":
+        hdrs["Authorization"] = "Bearer tok_never_seen"
+    elif case == "no token":
+        del hdrs["Authorization"]
+    elif case.startswith("wait="):
+        query = case.encode()
+    elif case == "events":
+        path = "/v1/tasks/t_0123456789abcdef01234567/events"
+    elif case == "the task":
+        path = "/v1/tasks/t_0123456789abcdef01234567"
+    elif case == "a POST":
+        method = "POST"
+    status, answer = await call(app, path, hdrs, b"", query, method=method)
+    assert (status, answer, answered, rest.bodies) == (200, {"route": True}, [], [b""])

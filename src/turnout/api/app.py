@@ -62,10 +62,11 @@ def create_app(service: Service) -> FastAPI:
     worker_routes = protocol.router(service, guards, metrics)
     task_routes = tasks.router(service, guards)
     pipeline_routes = pipelines.router(service, guards)
-    # inside the limits: reports, single submissions and run starts answered without FastAPI's machinery when plain
+    # inside the limits: reports, single submissions, result waits and run starts answered without FastAPI's
+    # machinery when plain
     app.add_middleware(FastPath, service=service, complete=worker_routes.complete, lease=worker_routes.lease,
                        events=worker_routes.events,
-                       submit=task_routes.submit, start_run=pipeline_routes.start)  # fmt: skip
+                       submit=task_routes.submit, start_run=pipeline_routes.start, result=task_routes.result)  # fmt: skip
     app.add_middleware(BodyLimit, limits=settings.request_limits)
     app.add_middleware(SubmitGate, service=service)  # outermost: 429 over the rate, body unread
 

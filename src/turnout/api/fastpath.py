@@ -3,11 +3,12 @@
 A worker's report (`POST /v1/workers/{id}/complete`, once per finished task or batch from every worker), its
 lease poll (`POST /v1/workers/{id}/lease`, once per task that finds an idle worker) and its event batches
 (`POST /v1/workers/{id}/events`, many a second from a chatty task), a single submission
-(`POST /v1/tasks`, once per task from every client submitting one at a time) and a pipeline run's start
+(`POST /v1/tasks`, once per task from every client submitting one at a time), the wait for its result
+(`GET /v1/tasks/{id}/result`, with or without `?wait=S`: `TaskHandle.result()`) and a pipeline run's start
 (`POST /v1/pipelines/{name}/runs`, with or without `?wait=S`). Routing through the included routers, solving
 the caller's check as a dependency, and building the request and the response objects took about as much of
 the controller's event loop as the work itself. `FastPath` answers them directly, with the routes' own
-answers (`protocol.WorkerRoutes.complete`, `.lease` and `.events`, `tasks.TaskRoutes.submit`,
+answers (`protocol.WorkerRoutes.complete`, `.lease` and `.events`, `tasks.TaskRoutes.submit` and `.result`,
 `pipelines.PipelineRoutes.start`), when the caller is plainly allowed by what is cached (a token already
 verified; for a worker's call, the worker's credential and its secret), the body is JSON that the route's
 model (or parser) takes, and the query string is one the route takes, written plainly. Anything else (an unknown
@@ -31,12 +32,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from turnout.access import ANONYMOUS_OPERATOR, Action, Principal, allow
 from turnout.api.errors import error_response, unexpected_response
-from turnout.api.pipelines import MAX_WAIT_S, RunIn, StartAnswer
+from turnout.api.pipelines import RunIn, StartAnswer
 from turnout.api.protocol import CompleteAnswer, EventsAnswer, LeaseAnswer
-from turnout.api.schemas import CompleteIn, LeaseIn, TaskIn, parse_events
+from turnout.api.schemas import MAX_WAIT_S, CompleteIn, LeaseIn, TaskIn, parse_events
 from turnout.api.service import Service
 from turnout.api.strictjson import strict_loads
-from turnout.api.tasks import SubmitAnswer
+from turnout.api.tasks import ResultAnswer, SubmitAnswer
 from turnout.auth import WorkerCredential
 from turnout.auth import check as check_worker
 from turnout.errors import TurnoutError
@@ -45,6 +46,7 @@ REPORT = re.compile(r"/v1/workers/([A-Za-z0-9_]{1,64})/complete")
 LEASE = re.compile(r"/v1/workers/([A-Za-z0-9_]{1,64})/lease")
 EVENTS = re.compile(r"/v1/workers/([A-Za-z0-9_]{1,64})/events")
 SUBMIT = re.compile(r"/v1/tasks")
+RESULT = re.compile(r"/v1/tasks/([A-Za-z0-9_]{1,64})/result")
 START_RUN = re.compile(r"/v1/pipelines/([A-Za-z0-9_.-]{1,64})/runs")
 PLAIN_SECONDS = re.compile(
     r"\d{1,4}(\.\d{1,6})?"
@@ -61,9 +63,14 @@ class _Route:
 
     path: re.Pattern[str]
     caller: Callable[[dict[bytes, bytes], re.Match[str]], Any | None]
-    parse: Callable[[Any], Any]  # the JSON body -> what the answer takes; raises what the route would refuse
+    # the JSON body -> what the answer takes; raises what the route would refuse. None: a GET, no body read
+    parse: Callable[[Any], Any] | None
     answer: Callable[[re.Match[str], Any, Any, Params], Awaitable[Response]]
     params: Callable[[bytes], Params | None] = lambda query: {} if not query else None
+
+    @property
+    def method(self) -> str:
+        return "POST" if self.parse is not None else "GET"
 
 
 class FastPath:
@@ -78,6 +85,7 @@ class FastPath:
         events: EventsAnswer,
         submit: SubmitAnswer,
         start_run: StartAnswer,
+        result: ResultAnswer,
     ) -> None:
         self.app = app
         self.service = service
@@ -92,12 +100,19 @@ class FastPath:
             _Route(SUBMIT, self._submitter, TaskIn.model_validate, lambda _, body, p, __: submit(body, p)),
             _Route(START_RUN, self._submitter, RunIn.model_validate,
                    lambda found, body, p, q: start_run(found.group(1), body, q["wait"], p), _wait_only),
+            _Route(RESULT, self._reader, None, lambda found, _, p, q: result(found.group(1), q["wait"], p), _wait_only),
         )  # fmt: skip
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        plain = scope["type"] == "http" and scope["method"] == "POST" and _json_content(scope)
+        method = scope.get("method")
+        plain = scope["type"] == "http" and (method == "GET" or (method == "POST" and _json_content(scope)))
         route, found = next(
-            ((r, m) for r in self.routes if plain and (m := r.path.fullmatch(scope["path"]))), (None, None)
+            (
+                (r, m)
+                for r in self.routes
+                if plain and r.method == method and (m := r.path.fullmatch(scope["path"]))
+            ),
+            (None, None),
         )
         params = route.params(scope.get("query_string", b"")) if route else None
         caller = (
@@ -106,14 +121,16 @@ class FastPath:
         if route is None or found is None or params is None or caller is None:
             await self.app(scope, receive, send)
             return
-        body = await _read(receive)
-        if body is None:
-            return  # the client left (or BodyLimit refused the body and answered): nothing to say
-        try:
-            request = route.parse(strict_loads(body))
-        except (TurnoutError, pydantic.ValidationError, ValueError):
-            await self.app(scope, _replay(body, receive), send)  # the route says what is wrong, as always
-            return
+        request: Any = None
+        if route.parse is not None:
+            body = await _read(receive)
+            if body is None:
+                return  # the client left (or BodyLimit refused the body and answered): nothing to say
+            try:
+                request = route.parse(strict_loads(body))
+            except (TurnoutError, pydantic.ValidationError, ValueError):
+                await self.app(scope, _replay(body, receive), send)  # the route says what is wrong, as always
+                return
         response: Response
         try:
             response = await route.answer(found, request, caller, params)
@@ -146,9 +163,16 @@ class FastPath:
 
     def _submitter(self, headers: dict[bytes, bytes], _: re.Match[str]) -> Principal | None:
         """The caller when its cached token may submit; else None."""
+        return self._allowed(headers, Action.SUBMIT)
+
+    def _reader(self, headers: dict[bytes, bytes], _: re.Match[str]) -> Principal | None:
+        """The caller when its cached token may read; else None."""
+        return self._allowed(headers, Action.READ)
+
+    def _allowed(self, headers: dict[bytes, bytes], action: Action) -> Principal | None:
         try:
             principal = self._principal(headers)
-            return None if principal is None else allow(principal, Action.SUBMIT)
+            return None if principal is None else allow(principal, action)
         except TurnoutError:
             return None
 

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Query
 
 from turnout.access import Action, Principal
 from turnout.api.guards import Guards
-from turnout.api.schemas import GPU_SCHEMA, FastJSON, Strict, check_task_size, device_of, iso
+from turnout.api.schemas import GPU_SCHEMA, MAX_WAIT_S, FastJSON, Strict, check_task_size, device_of, iso
 from turnout.api.service import Service, Signal
 from turnout.api.strictjson import StrictJsonRoute
 from turnout.config import Prices
@@ -33,7 +33,6 @@ class RunIn(Strict):
 
 
 StartAnswer = Callable[[str, RunIn, float, Principal], Awaitable[FastJSON]]  # (pipeline, body, wait, caller)
-MAX_WAIT_S = 3600.0  # a run's `?wait=`
 
 
 @dataclass(frozen=True)
@@ -125,7 +124,7 @@ def router(service: Service, guards: Guards) -> PipelineRoutes:
 
     @api.get("/v1/pipeline-runs/{run_id}", response_class=FastJSON)
     async def get_run(
-        run_id: str, wait: float = Query(0, ge=0, le=3600), p: Principal = need(Action.READ)
+        run_id: str, wait: float = Query(0, ge=0, le=MAX_WAIT_S), p: Principal = need(Action.READ)
     ) -> FastJSON:
         return await answer(p.scope, run_id, wait)
 

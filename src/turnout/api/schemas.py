@@ -39,6 +39,7 @@ from turnout.resources import parse_resources
 MAX_INT = 2**53  # integers beyond what every JSON reader keeps exact, and beyond SQL's BIGINT
 MAX_INT32 = 2**31 - 1  # SQL INTEGER columns (attempts, event seq): more fails as a parameter in PostgreSQL
 MAX_RUN_S = 10 * 365 * 86_400.0
+MAX_WAIT_S = 3600.0  # the longest `?wait=` a route holds a client for (a task's result, a run)
 MAX_EPOCH_S = 253_402_300_799.0  # 9999-12-31T23:59:59Z, the last second ISO 8601 writes in four digits
 _NO_NUL = r"^[^\x00]*$"  # PostgreSQL text cannot hold NUL: an id or name with one is refused, never stored
 _VERSION = r"^[0-9]{1,4}\.[0-9]{1,4}$"

@@ -25,7 +25,7 @@ from fastapi.responses import StreamingResponse
 
 from turnout.access import Action, Principal
 from turnout.api.guards import Guards
-from turnout.api.schemas import MAX_INT32, FastJSON, TaskBatchIn, TaskIn, iso, task_out
+from turnout.api.schemas import MAX_INT32, MAX_WAIT_S, FastJSON, TaskBatchIn, TaskIn, iso, task_out
 from turnout.api.service import Service, Signal
 from turnout.api.strictjson import StrictJsonRoute
 from turnout.errors import InvalidInput
@@ -38,14 +38,17 @@ iso_cached = functools.lru_cache(maxsize=256)(iso)
 
 
 SubmitAnswer = Callable[[TaskIn, Principal], Awaitable[FastJSON]]
+ResultAnswer = Callable[[str, float, Principal], Awaitable[FastJSON]]
 
 
 @dataclass(frozen=True)
 class TaskRoutes:
-    """The task routes, and the answer to a single submission, which `fastpath.py` also gives."""
+    """The task routes, and the answers to a single submission and to a wait for a result, which `fastpath.py`
+    also gives."""
 
     router: APIRouter
     submit: SubmitAnswer
+    result: ResultAnswer
 
 
 def router(service: Service, guards: Guards) -> TaskRoutes:
@@ -100,8 +103,11 @@ def router(service: Service, guards: Guards) -> TaskRoutes:
 
     @api.get("/v1/tasks/{task_id}/result", response_class=FastJSON)
     async def get_result(
-        task_id: str, wait: float = Query(0, ge=0, le=3600), p: Principal = need(Action.READ)
+        task_id: str, wait: float = Query(0, ge=0, le=MAX_WAIT_S), p: Principal = need(Action.READ)
     ) -> FastJSON:
+        return await result_answer(task_id, wait, p)
+
+    async def result_answer(task_id: str, wait: float, p: Principal) -> FastJSON:
         deadline = time.monotonic() + wait
         with service.watch_tasks([task_id]) as ended:
             while True:
@@ -137,7 +143,7 @@ def router(service: Service, guards: Guards) -> TaskRoutes:
             headers={"Cache-Control": "no-cache"},
         )
 
-    return TaskRoutes(api, submit_answer)
+    return TaskRoutes(api, submit_answer, result_answer)
 
 
 def _resume_from(last_event_id: str | None) -> int:
