@@ -369,3 +369,24 @@ async def test_an_unsure_wait_for_a_result_goes_to_the_route(api: Api, case: str
         method = "POST"
     status, answer = await call(app, path, hdrs, b"", query, method=method)
     assert (status, answer, answered, rest.bodies) == (200, {"route": True}, [], [b""])
+
+
+async def test_a_result_wait_answers_the_same_through_the_fast_path_and_the_route(api: Api) -> None:
+    # Given a finished task of tenant acme, and read tokens of acme and of another tenant, both cached
+    worker = await api.worker()
+    acme = await submitter(api, "read")
+    other = {"Authorization": f"Bearer {await api.token('read', 'default')}"}
+    assert (await api.client.get("/v1/tasks", headers=other)).status_code == 200
+    submit = await api.token("submit", "acme")
+    task = (await api.as_(submit, "POST", "/v1/tasks", json={"capability": "shout", "gpu": "never"})).json()
+    [lease] = (await worker.lease())["tasks"]
+    await worker.complete(lease, {"n": 1})
+    for hdrs, task_id, status in [(acme, task["id"], 200), (other, task["id"], 404),
+                                  (acme, "t_0123456789abcdef01234567", 404)]:  # fmt: skip
+        path = f"/v1/tasks/{task_id}/result"
+        # When the same wait is asked plainly (the fast path) and in a form only the route takes
+        fast = await api.client.get(path, params={"wait": "0"}, headers=hdrs)
+        route = await api.client.get(path, params={"wait": "0e0"}, headers=hdrs)
+        # Then both answer alike: the task for its tenant, 404 for another tenant and for no task
+        assert (fast.status_code, fast.json()) == (route.status_code, route.json())
+        assert fast.status_code == status
