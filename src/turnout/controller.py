@@ -463,9 +463,10 @@ class Controller:
         healthy = [w for w in fleet.values() if w.state is WorkerState.HEALTHY]
         facts = placement.Facts(healthy, _LeaseReads(self, healthy), self.settings.tenant_limits)
         book = BatchBook()  # batched variants: tasks that ride on their leader's grant (batching.py)
-        # look a little past what fits (not the whole window) unless the head of the queue is not for us
+        # read what fits and one more (to tell the worker more waits); further, in growing pages, only while
+        # the head of the queue is not for us (store.base.queue_pages): each row read costs its decoding
         slots = min(max_tasks, int((room.cpu + 1e-9) / smallest) if smallest > 0 else max_tasks)
-        window = min(self.settings.lease_window, max(16, 4 * slots))
+        window = min(self.settings.lease_window, slots + 1)
         shares = self._reservations(worker, mine.values(), tenant, now)  # tenancy.Reservations
         if shares is not None and not shares.anyone_may_take(smallest, room.cpu):
             # what is free here is kept for tenants with none queued

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from tests.contract.test_store import _task
 from turnout.gpu.allocation import GpuGrant
 from turnout.models import Allocation, Device, GpuMode, Routing, Task, TaskSpec, TaskState
 from turnout.store import Store
+from turnout.store.base import queue_pages
 
 NO_CAPACITY = {"type": "no_capacity", "message": "nobody can"}
 
@@ -42,6 +46,22 @@ def test_reading_on_widens_the_queue_window_up_to_widen_to(store: Store) -> None
     assert len(list(store.queued_tasks(["cap"], limit=2, widen_to=4))) == 4
     assert [t.id for t in store.queued_tasks(None, limit=2, widen_to=100)] == [f"t_{i:06d}" for i in range(6)]
     assert list(store.queued_tasks(["other"])) == []
+
+
+def test_a_deep_queue_is_read_in_growing_pages_in_order_each_task_once(store: Store) -> None:
+    # Given 60 queued tasks, a few ahead of the rest by priority
+    tasks = [_plain(i) for i in range(60)]
+    tasks[50] = replace(tasks[50], spec=replace(tasks[50].spec, priority=5))
+    store.insert_tasks(tasks)
+    expected = ["t_000050", *(f"t_{i:06d}" for i in range(60) if i != 50)]
+    # When a caller reads from a first page of 2 up to 45 (pages of 2, 8, 32, 3)
+    read = [t.id for t in store.queued_tasks(["cap"], limit=2, widen_to=45)]
+    # Then it gets the first 45 in the queue's order, none twice, none skipped at a page's edge
+    assert read == expected[:45]
+    # and a caller that stops early got what it read in the same order
+    assert [t.id for _, t in zip(range(3), store.queued_tasks(["cap"], limit=2, widen_to=200))] == expected[
+        :3
+    ]
 
 
 def test_get_tasks_answers_each_existing_task_once(store: Store) -> None:
@@ -193,3 +213,21 @@ def test_every_read_of_a_task_gives_the_same_record(store: Store) -> None:
     assert store.get_tasks([task.id, "t_missing"]) == [task]
     assert store.active_tasks(["w_1", "w_other"]) == [task] and store.active_tasks([]) == []
     assert store.list_tasks(tenant=None) == [task]
+
+
+@given(
+    st.integers(min_value=0, max_value=500), st.one_of(st.none(), st.integers(min_value=0, max_value=5000))
+)
+def test_queue_pages_cover_the_window_once_from_the_first_page_each_four_times_the_last(
+    limit: int, widen_to: int | None
+) -> None:
+    pages = list(queue_pages(limit, widen_to))
+    total = max(limit, widen_to or 0)
+    # contiguous from 0, nothing read twice, exactly the window in all
+    assert [o for o, _ in pages] == [sum(n for _, n in pages[:i]) for i in range(len(pages))]
+    assert sum(n for _, n in pages) == total and all(n > 0 for _, n in pages)
+    if pages:  # the first page is what the caller asked for first; each later one up to four times the last
+        assert pages[0][1] == min(max(1, limit), total)
+        assert all(b <= 4 * a for (_, a), (_, b) in zip(pages, pages[1:], strict=False))
+    # a deep window takes a handful of reads, not one per row
+    assert len(pages) <= 2 + total.bit_length() // 2

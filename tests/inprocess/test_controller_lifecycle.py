@@ -17,6 +17,7 @@ memory store, and over SQLite too, to show the controller meets the same rules o
 | shared workers take tenants in turn, the one holding fewest tasks first        | test_fair_... (two tests)     |
 | exclusive GPUs: granted, audited, released, then granted again                 | test_an_exclusive_gpu_...     |
 | prefer: CPU when no healthy GPU worker; waits gpu_wait_s while GPUs are busy   | test_prefer_... (two tests)   |
+| a lease reads what fits and one more of the queue; further only past its head  | test_a_lease_reads_...        |
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.inprocess.harness import HEARTBEAT_S, SHOUT_CPU, SHOUT_GPU, Harness
 from turnout.controller import UNDELIVERED_AFTER_S
-from turnout.models import GpuMode, Routing, TaskState
+from turnout.models import GpuMode, Routing, Task, TaskState
+from turnout.resources import parse_resources
 from turnout.store import open_store
 
 LEASE_S = 3 * HEARTBEAT_S  # a worker silent this long is unhealthy and its leases expire
@@ -309,3 +312,35 @@ def test_prefer_waits_gpu_wait_s_for_a_busy_gpu_then_takes_the_cpu(h: Harness) -
     [lease] = h.lease(w, running=[busy])
     assert (lease.task.id, lease.device.value) == (t, "cpu")
     assert "gpu" in h.task(t).routing.reason  # type: ignore[union-attr]
+
+
+def test_a_lease_reads_what_fits_and_one_more_of_a_deep_queue_and_on_only_past_a_head_it_cannot_take(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    firsts: list[int] = []  # the first page each read of the queue asked the store for
+    rows: list[str] = []  # each queued task the lease went through, in order
+    queued_tasks = h.store.queued_tasks
+
+    def counted(*args: Any, **kwargs: Any) -> Iterator[Task]:
+        firsts.append(kwargs["limit"])
+        for task in queued_tasks(*args, **kwargs):
+            rows.append(task.id)
+            yield task
+
+    monkeypatch.setattr(h.store, "queued_tasks", counted)
+    # Given a worker with room for two (cpu 1 each on 2 CPUs), and 300 tasks queued for it
+    w = h.worker(cpu=2.0)
+    for _ in range(300):
+        h.submit(gpu=GpuMode.NEVER)
+    # When it leases, Then it takes two, having asked for three rows: what fits and one more, to say more wait
+    assert len(h.lease(w)) == 2 and firsts == [3] and len(rows) == 3
+    # Given ten tasks at the head of the queue that ask for 2 CPUs, and a worker with one
+    two_cpus = parse_resources({"cpu": 2})
+    head = [h.submit(gpu=GpuMode.NEVER, priority=9, resources=two_cpus, resource_keys=frozenset({"cpu"}))
+            for _ in range(10)]  # fmt: skip
+    small = h.worker("small", cpu=1.0)
+    rows.clear()
+    # When it leases, Then it reads on past the head in growing pages (2, 8, then 32) and takes the first that fits
+    [lease] = h.lease(small)
+    assert lease.task.id not in head and rows[:10] == head
+    assert 10 < len(rows) <= 2 + 8 + 32

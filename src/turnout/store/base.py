@@ -33,6 +33,19 @@ if TYPE_CHECKING:
 TaskChange = tuple[str, Sequence[TaskState], "int | None", dict[str, Any]]
 
 
+def queue_pages(limit: int, widen_to: int | None) -> Iterator[tuple[int, int]]:
+    """(offset, rows) of each page a read of the queue takes (`TaskStore.queued_tasks`): `limit` rows first,
+    then each page four times the last, up to `widen_to` rows in all. A lease reads what fits and one more;
+    only a caller whose head of the queue does not fit reads on, and a deep queue is never read whole."""
+    total = max(limit, widen_to or 0)
+    offset, rows = 0, max(1, limit)
+    while offset < total:
+        rows = min(rows, total - offset)
+        yield offset, rows
+        offset += rows
+        rows *= 4
+
+
 class Transaction(Protocol):
     """What `Store.group()` yields: a transaction that can open savepoints."""
 
@@ -79,7 +92,8 @@ class TaskStore(Protocol):
         widen_to: int | None = None,
         tenant: str | None = None,
     ) -> Iterator[Task]:
-        """Queued tasks, highest priority first, then oldest; `limit` first, up to `widen_to` if read on."""
+        """Queued tasks, highest priority first, then oldest; `limit` first, up to `widen_to` if read on, in
+        pages that grow (`queue_pages`)."""
         ...
 
     def queued_tenants(self) -> list[str]:

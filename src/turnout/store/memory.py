@@ -34,7 +34,7 @@ from turnout.models import Allocation, Task, TaskState, Worker, WorkerState
 from turnout.pipelines import PipelineRun, RunState
 from turnout.profiles import Profile, RunSample, fold
 from turnout.store import schema
-from turnout.store.base import TaskChange
+from turnout.store.base import TaskChange, queue_pages
 from turnout.store.files import FileRecord
 from turnout.store.runs import _run, _run_row
 from turnout.store.sql import _dedupe, _encode, _task, _worker, _worker_row, gpus_held
@@ -271,7 +271,8 @@ class MemoryStore:
         widen_to: int | None = None,
         tenant: str | None = None,
     ) -> Iterator[Task]:
-        """As `SqlStore.queued_tasks`: `limit` first; read on, the next ones (as they are then), up to `widen_to`."""
+        """As `SqlStore.queued_tasks`: `limit` first; read on, the next ones (as they are then), up to `widen_to`,
+        in the same growing pages."""
         caps = None if capabilities is None else set(capabilities)
 
         def page(offset: int, n: int) -> list[Task]:
@@ -281,12 +282,11 @@ class MemoryStore:
                 rows.sort(key=lambda r: (-r["priority"], r["created_at"], r["id"]))
                 return [self._task(r) for r in rows[offset : offset + n]]
 
-        first = page(0, limit)
-        yield from first
-        total = max(limit, widen_to or 0)
-        if len(first) < limit or total <= limit:
-            return
-        yield from page(limit, total - limit)
+        for offset, rows in queue_pages(limit, widen_to):
+            got = page(offset, rows)
+            yield from got
+            if len(got) < rows:
+                return
 
     def queued_tenants(self) -> list[str]:
         with self._lock:

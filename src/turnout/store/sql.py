@@ -40,6 +40,7 @@ from turnout.models import (
 )
 from turnout.resources import parse_resources
 from turnout.store import schema
+from turnout.store.base import queue_pages
 from turnout.store.migrations import migrate
 
 if TYPE_CHECKING:
@@ -299,19 +300,19 @@ class SqlStore:
         """Queued tasks (of one tenant, or of all), highest priority first, then oldest first, decoded as the
         caller reads.
 
-        Reads `limit` rows first; a caller that reads past them gets more, up to `widen_to` in all.
+        Reads `limit` rows first; a caller that reads past them gets more, up to `widen_to` in all, in pages
+        that grow (`queue_pages`): a row costs its decoding, and most callers stop after the first few.
         """
         if capabilities is None:
             capabilities = [name for (name,) in self._capabilities_queued()]
         caps = list(capabilities)
         if not caps:
             return
-        first = self._queued_page(caps, tenant, limit, 0)
-        yield from first
-        total = max(limit, widen_to or 0)
-        if len(first) < limit or total <= limit:
-            return
-        yield from self._queued_page(caps, tenant, total - limit, limit)
+        for offset, rows in queue_pages(limit, widen_to):
+            page = self._queued_page(caps, tenant, rows, offset)
+            yield from page
+            if len(page) < rows:
+                return
 
     def _queued_page(self, caps: list[str], tenant: str | None, count: int, offset: int) -> list[Task]:
         with self._read() as conn:
