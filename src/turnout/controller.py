@@ -569,7 +569,7 @@ class Controller:
             return self.store.queued_tasks(caps, limit=window, widen_to=widen)
         self._turn += 1
         order = fair_order(tenants, self.store.active_by_tenant(), self._turn)
-        per = max(8, window // len(order))
+        per = max(2, -(-window // len(order)))  # each tenant's share of the first look, read on as needed
         return round_robin(
             [self.store.queued_tasks(caps, limit=per, widen_to=widen, tenant=t) for t in order]
         )

@@ -344,3 +344,9 @@ def test_a_lease_reads_what_fits_and_one_more_of_a_deep_queue_and_on_only_past_a
     [lease] = h.lease(small)
     assert lease.task.id not in head and rows[:10] == head
     assert 10 < len(rows) <= 2 + 8 + 32
+    # Given a second tenant's deep queue too, When a worker with room for one leases, Then each tenant's first
+    # look is its share of what fits and one more (two rows), not a fixed page of many
+    for _ in range(50):
+        h.submit(gpu=GpuMode.NEVER, tenant="acme")
+    firsts.clear()
+    assert len(h.lease(h.worker("third", cpu=1.0))) == 1 and firsts == [2, 2]
