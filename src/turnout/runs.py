@@ -97,7 +97,8 @@ class PipelineRuns:
         self.store: RunRecords = controller.store.runs
         # stage tasks queued since last asked (`take_queued`): lease polls should wake
         self.stages_queued: list[Task] = []
-        # runs started or read here, for their stages and gpu, which never change (`chain_hints`)
+        # runs started, read or moved on here: their stages and gpu never change (`chain_hints`); the rest is
+        # checked where it is written (`advance_runs`)
         self._kept: collections.OrderedDict[str, PipelineRun] = collections.OrderedDict()
 
     def pipeline(self, name: str) -> Pipeline:
@@ -205,10 +206,28 @@ class PipelineRuns:
     ) -> Sequence[RunView]:
         """Move on these runs (a stage of each just ended); returns each run that changed, as it stands now.
         `chains`: the next stages the workers already started after some of them (see the module docstring);
-        `known`: tasks as this transaction just wrote them, not read again."""
-        views = (self._advance(run, chains, known) for run in self.store.get_runs(sorted(run_ids))
-                 if not run.state.terminal)  # fmt: skip
-        return [v for v in views if v is not None]
+        `known`: tasks as this transaction just wrote them, not read again.
+
+        A run kept here since this controller started or moved it on is moved on from that copy, unread: the
+        write (`update_run`) takes effect only while the run is still running with as many stages as the copy
+        has, so a copy that fell behind (a cancel, the sweep, another controller) changes nothing, and the run
+        is then read and moved on from what the database says. Nothing before that write is kept when it fails.
+        """
+        views: list[RunView] = []
+        unread: list[str] = []
+        for rid in sorted(set(run_ids)):
+            kept = self._kept.get(rid)
+            if kept is not None and kept.state.terminal:
+                continue  # an ended run never changes again
+            view = self._advance(kept, chains, known) if kept is not None else None
+            if view is not None:
+                views.append(view)
+            else:
+                unread.append(rid)  # not kept, or its copy fell behind or had nothing to do
+        for run in self.store.get_runs(unread) if unread else ():
+            if not run.state.terminal and (view := self._advance(run, chains, known)) is not None:
+                views.append(view)
+        return views
 
     def sweep(self) -> bool:
         """Move on every running run whose stage ended by other means than a worker's result."""
@@ -280,6 +299,10 @@ class PipelineRuns:
             if t.id not in claimed:
                 self._queue(t)
         now_run = replace(run, **{**values, "task_ids": tuple(values.get("task_ids", run.task_ids))})
+        if now_run.state.terminal:
+            self._kept.pop(run.id, None)
+        else:
+            self._keep(now_run)
         by_id.update((t.id, t) for t in (*started, *new))
         tasks: list[Task | None] = [by_id.get(tid) for tid in now_run.task_ids]
         return now_run, tasks + [None] * (len(run.stages) - len(tasks))
@@ -294,7 +317,9 @@ class PipelineRuns:
         if child in chains.taken:
             return None  # the id is taken (never by chance: 48 random bits per millisecond)
         since = min(now, max(parent.created_at, chains.started_at.get(child, now)))
-        return self._chained(task, parent, child, since, active)
+        report = chains.reports.get(child)
+        ended = report is not None and report.succeeded and report.attempt == 1
+        return self._chained(task, parent, child, since, active, ended=ended)
 
     # ---- chained stages ----------------------------------------------------------------------
 
@@ -339,23 +364,35 @@ class PipelineRuns:
         return out
 
     def _chained(
-        self, task: Task, parent: Task, child_id: str, since: float, active: dict[str, Sequence[Task]]
+        self,
+        task: Task,
+        parent: Task,
+        child_id: str,
+        since: float,
+        active: dict[str, Sequence[Task]],
+        *,
+        ended: bool = False,
     ) -> Task | None:
         """`task` (the next stage, as it would be queued) as the chained task `child_id` that the parent's
         worker started at `since`, leased to it; None where the chain cannot stand and the stage is queued
         instead. Its task is created as of when it started, so its queue time is the hand-off's, not negative.
         `active`: the workers' active tasks as read so far in this step (a stage chained after one settled in
-        the same report takes the room that one left, and the step inserts them together at its end)."""
+        the same report takes the room that one left, and the step inserts them together at its end).
+        `ended`: the stage's own success is in the same report; it ran and holds no room on the worker now, so
+        the worker's room is not read (the route is still checked: a stage that must go to a GPU is refused)."""
         worker = self.ctrl._fleet().get(parent.worker_id or "")
         if worker is None or worker.state is not WorkerState.HEALTHY or not TASK_ID.match(child_id):
             return None
         cpu_res = placement.needs(worker.offers(task.spec.capability).get(Device.CPU), task)
         if cpu_res is None:
             return None
-        if worker.id not in active:
-            active[worker.id] = self.ctrl.store.active_tasks([worker.id])
-        room = placement.room_of(worker, active[worker.id])
-        decided = self._route(task, placement.fits(room, cpu_res), self._healthy())
+        if ended:
+            fits = True
+        else:
+            if worker.id not in active:
+                active[worker.id] = self.ctrl.store.active_tasks([worker.id])
+            fits = placement.fits(placement.room_of(worker, active[worker.id]), cpu_res)
+        decided = self._route(task, fits, self._healthy())
         if decided is None:
             return None
         routing = Routing(requested=task.spec.gpu.value, device=Device.CPU.value,
