@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.bench_pipelines import CONFIG  # noop3: three no-op stages, each `gpu: never`
 from turnout.config import controller_settings
 from turnout.controller import Controller
 from turnout.models import Completion, Device, TaskState, Variant
@@ -18,14 +19,6 @@ from turnout.pipelines import RunState
 from turnout.resources import parse_resources
 from turnout.store import Store, open_store
 
-CONFIG = """
-pipelines:
-  three:
-    stages:
-      - {capability: noop, gpu: never}
-      - {capability: noop, gpu: never}
-      - {capability: noop, gpu: never}
-"""
 NOOP = Variant("noop", Device.CPU, parse_resources({"cpu": 0.5}))
 
 
@@ -49,7 +42,7 @@ def started(store: Store, ctrl: Controller) -> tuple[str, str, str]:
     worker = ctrl.register_worker(name="w", host="h", variants=[NOOP], cpu=2.0, memory_bytes=2**33, gpus=[],
                                   strategy="pack").id  # fmt: skip
     with store.group():
-        run, first = ctrl.runs.start("default", "three", {"n": 1})
+        run, first = ctrl.runs.start("default", "noop3", {"n": 1})
     with store.group():
         [lease] = ctrl.offer(worker, max_tasks=4, running=[]).leases
     assert lease.task.id == first.id
