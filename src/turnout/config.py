@@ -126,7 +126,7 @@ def parse_limit_flags(flags: list[str] | None) -> dict[str, str]:
 class ControllerSettings:
     heartbeat_s: float = 5.0
     reap_interval_s: float = 0.5
-    lease_window: int = 200  # queued tasks a lease looks at, at most: what fits and one more first (queue_pages)
+    lease_window: int = 200  # the most queued tasks a lease looks at (what fits and one more first)
     max_lease_wait_s: float = 30.0
     placement_policy: str = "fgd"  # which GPU worker a task goes to: fgd, bestfit, random
     recheck_s: float = 1.0  # a parked long poll looks again this often unwoken (long_poll_recheck_s)
