@@ -83,6 +83,12 @@ class Chains:
             if started is not None and run_s is not None:  # it ended, and the next one began, then
                 self.started_at[result.chain] = started + run_s
 
+    def success_of(self, stage_id: str) -> Completion | None:
+        """The report's success of the chained stage `stage_id`, at its first attempt (a chained stage's only
+        one), if the report carries it: that stage ran here and ended, and is created with its result."""
+        report = self.reports.get(stage_id)
+        return report if report is not None and report.succeeded and report.attempt == 1 else None
+
     @property
     def refused(self) -> list[str]:
         return [child for child in self.claimed.values() if child not in set(self.accepted)]
@@ -263,13 +269,8 @@ class PipelineRuns:
         while step.next_stage is not None:
             task = self._stage_task(run, step.next_stage, started, now)
             chained = self._chain_of(task, started[-1], chains, now, active) if chains else None
-            report = chains.reports.get(chained.id) if chains and chained else None
-            if (
-                chained is None
-                or report is None
-                or not report.succeeded
-                or report.attempt != chained.attempts
-            ):
+            report = chains.success_of(chained.id) if chains and chained else None
+            if chained is None or report is None:
                 new.append(chained or task)
                 break
             ended = self.ctrl.result_values(chained, report, now)
@@ -317,9 +318,7 @@ class PipelineRuns:
         if child in chains.taken:
             return None  # the id is taken (never by chance: 48 random bits per millisecond)
         since = min(now, max(parent.created_at, chains.started_at.get(child, now)))
-        report = chains.reports.get(child)
-        ended = report is not None and report.succeeded and report.attempt == 1
-        return self._chained(task, parent, child, since, active, ended=ended)
+        return self._chained(task, parent, child, since, active, ended=chains.success_of(child) is not None)
 
     # ---- chained stages ----------------------------------------------------------------------
 
