@@ -12,9 +12,8 @@ import math
 from typing import Any
 
 MAX_DEPTH = 64
-_TOO_LONG_INT = (
-    10**4000
-)  # Python refuses to write ints of more than 4,300 digits (sys.get_int_max_str_digits)
+MAX_INT_DIGITS = 4000  # Python refuses to write ints of more than 4,300 digits (sys.get_int_max_str_digits)
+_TOO_LONG_INT = 10**MAX_INT_DIGITS
 
 
 def problem(value: Any, path: str = "") -> tuple[str, str] | None:

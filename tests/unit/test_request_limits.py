@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import math
+from typing import Any
+
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from turnout.api.limits import body_limit_of
 from turnout.api.strictjson import strict_loads
 from turnout.config import RequestLimits, controller_settings, parse_limit_flags, parse_request_limits
 from turnout.errors import InvalidInput
+from turnout.jsonsafe import MAX_INT_DIGITS, problem
 
 
 def test_limits_take_quantities_and_counts_and_flags_win_over_the_file(tmp_path) -> None:
@@ -86,6 +93,31 @@ def test_strict_json_takes_what_json_can_carry() -> None:
     )
     value = strict_loads(body)
     assert value["emoji"] == "\U0001f600" and value["tiny"] == 0.0 and value["text"] == "nan"
+
+
+# what a client may send: numbers past a float's range and integers past MAX_INT_DIGITS, lone surrogates in
+# strings and keys (JSON's `\\udXXX` escapes), and everything that is fine
+_EDGE_INTS = st.integers(-3, 3).map(lambda k: (10**MAX_INT_DIGITS - 1 + k) * (-1) ** (k % 2))
+_TEXT = st.text(st.characters(codec=None, categories=["Ll", "Nd", "Cs", "So"]), max_size=4)
+_VALUES: st.SearchStrategy[Any] = st.recursive(
+    st.none() | st.booleans() | st.integers() | _EDGE_INTS | st.floats() | _TEXT,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_TEXT, inner, max_size=3),
+    max_leaves=12,
+)
+
+
+@given(_VALUES)
+def test_strict_json_takes_exactly_what_json_can_carry_and_names_the_first_place_it_cannot(value: Any) -> None:
+    """The quick checks (hooks in the parser, a count of brackets) agree with the full walk (`problem`)."""
+    body = json.dumps(value).encode()  # ASCII: surrogates escaped; NaN and Infinity written as Python does
+    found = problem(value)
+    if found is None:
+        assert strict_loads(body) == value
+    else:
+        with pytest.raises(InvalidInput) as caught:
+            strict_loads(body)
+        assert caught.value.field == found[0].encode("utf-8", "backslashreplace").decode("utf-8")
+        assert not (isinstance(value, float) and math.isfinite(value))
 
 
 def test_a_file_upload_has_the_file_limit_while_a_json_body_sent_there_keeps_the_json_one() -> None:
