@@ -78,7 +78,8 @@ def strict_loads(raw: bytes) -> Any:
 
 
 _QUICK = json.JSONDecoder(parse_constant=_suspect, parse_float=_finite)
-_WATCHFUL = json.JSONDecoder(parse_constant=_suspect, parse_float=_finite, parse_int=_short_int)  # a long body
+# a body long enough to hold a too-long integer: each integer is looked at too
+_WATCHFUL = json.JSONDecoder(parse_constant=_suspect, parse_float=_finite, parse_int=_short_int)
 _PLAIN = json.JSONDecoder()
 
 
