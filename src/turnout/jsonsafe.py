@@ -21,8 +21,14 @@ def problem(value: Any, path: str = "") -> tuple[str, str] | None:
     when all is well.
 
     Paths read as users write them (`output.items.3.score`) and are always writable text themselves: a bad
-    key is named with its bad characters escaped. Walks iteratively: a hostile value may be deep.
+    key is named with its bad characters escaped. Walks iteratively: a hostile value may be deep. A value of
+    plain JSON types that is all fine (nearly every one) is passed by `carried` first, which keeps no paths.
     """
+    return None if carried(value) else _walk(value, path)
+
+
+def _walk(value: Any, path: str) -> tuple[str, str] | None:
+    """`problem`, the close look: every value in document order, its path kept."""
     root: tuple[str, ...] = (path,) if path else ()
     # (is_key, item, path, depth): a key is checked just before the value it names, so order is the document's
     stack: list[tuple[bool, Any, tuple[str, ...], int]] = [(False, value, root, 0)]
@@ -46,6 +52,27 @@ def problem(value: Any, path: str = "") -> tuple[str, str] | None:
             for i in range(len(item) - 1, -1, -1):
                 stack.append((False, item[i], (*where, str(i)), depth + 1))
     return None
+
+
+def carried(value: Any, depth: int = 0) -> bool:
+    """Quickly: whether strict JSON carries all of `value`, as `problem` would find. False for anything it is
+    unsure of (a subclass of str, int, float, dict or list), where `problem` then looks closely. Its recursion
+    is bounded: no container past MAX_DEPTH is looked into."""
+    kind = type(value)
+    if kind is str:
+        return value.isascii() or _bad_text(value) is None
+    if kind is dict:
+        return depth < MAX_DEPTH and all(
+            type(k) is str and (k.isascii() or _bad_text(k) is None) and carried(v, depth + 1)
+            for k, v in value.items()
+        )
+    if kind is list or kind is tuple:
+        return depth < MAX_DEPTH and all(carried(v, depth + 1) for v in value)
+    if kind is float:
+        return math.isfinite(value)
+    if kind is int:
+        return -_TOO_LONG_INT < value < _TOO_LONG_INT
+    return value is None or kind is bool
 
 
 def _problem_here(item: Any, depth: int) -> str | None:
