@@ -911,16 +911,17 @@ class Controller:
     def _expire_unplaceable(self, now: float, healthy: Sequence[Worker]) -> bool:
         """Fail tasks no live worker could serve for their whole `placement_timeout_s` (`no_capacity`).
 
-        Plain tasks of one kind (capability and gpu value) share one verdict, applied in SQL, so a deep queue
-        costs a few statements; only tasks with their own overrides or a retry history are judged one by one.
+        Tasks of one kind (capability, gpu value and resource overrides: `QueuedKind`) share one verdict,
+        applied in SQL, so a deep queue costs a few statements, also one of 10,000 tasks asking `gpu: 0.25`;
+        only tasks with a retry history (a routing record: GPUs to avoid) are judged one by one.
         """
         failed: list[str] = []
-        for capability, mode, sample_id in self.store.queued_kinds():
-            sample = self.store.get_task(sample_id)
+        for kind in self.store.queued_kinds():
+            sample = self.store.get_task(kind.sample_id)
             if sample is None:
                 continue
             ok = servable(sample.spec.gpu, placement.cluster_view(healthy, sample))
-            failed += self.store.mark_servable(capability, mode, ok, now, _no_capacity(sample))
+            failed += self.store.mark_servable(kind, ok, now, _no_capacity(sample))
         updates: list[Change] = []
         for t in self.store.queued_unusual():
             ok = servable(t.spec.gpu, placement.cluster_view(healthy, t))

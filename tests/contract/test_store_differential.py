@@ -19,6 +19,7 @@ from turnout.models import Allocation, Device, GpuMode, Routing, Task, TaskSpec,
 from turnout.resources import parse_resources
 from turnout.store import MemoryStore, SqlStore, Store
 from turnout.store import sql as sql_backend
+from turnout.store.base import QueuedKind
 
 TENANTS = ("acme", "globex")
 CAPS = ("shout", "count")
@@ -29,7 +30,7 @@ GRANT = GpuGrant(("GPU-0",), (0,), 0, True, "Fake GPU", False)
 
 
 def random_spec(rng: random.Random) -> tuple[str, TaskSpec]:
-    resources = rng.choice([None, {"memory": "1Gi"}])
+    resources = rng.choice([None, {"memory": "1Gi"}, {"gpu": 0.25}])  # each its own kind for the sweep
     spec = TaskSpec(
         capability=rng.choice(CAPS),
         input={"n": rng.randint(0, 2)},
@@ -65,7 +66,7 @@ def random_op(rng: random.Random, inserted: int) -> tuple[Any, ...]:
         states = rng.sample(STATES, rng.randint(1, 3))
         return ("update", rng.randint(1, max(1, inserted + 1)), states, rng.choice([None, 0, 1, 2]),
                 rng.randrange(len(VALUES)), rng.random() < 0.5)  # fmt: skip
-    return ("sweep", rng.choice(CAPS), rng.choice(["prefer", "never"]), rng.random() < 0.3,
+    return ("sweep", rng.choice(CAPS), rng.choice(["prefer", "never"]), rng.randrange(3), rng.random() < 0.3,
             rng.choice([100.0, 102.0, 110.0]))  # fmt: skip
 
 
@@ -81,7 +82,7 @@ def observe(store: Store) -> dict[str, Any]:
         "gpu_use": store.gpu_use_by_tenant(),
         "depths": store.queue_depths(),
         "stats": sorted(store.task_stats(run_s_buckets=(1.0, 5.0)), key=repr),
-        "kinds": sorted(store.queued_kinds()),
+        "kinds": sorted(store.queued_kinds(), key=lambda k: (k[:2], k.resources or "", k.sample_id)),
         "unusual": sorted(t.id for t in store.queued_unusual()),
         "costs": sorted(store.runs.cost_by_tenant()),
     }
@@ -111,9 +112,12 @@ def apply(store: Store, op: tuple[Any, ...], counter: list[int]) -> Any:
         if bump:
             values["attempts"] = (attempts or 0) + 1
         return store.update_tasks([(f"t_{n:06d}", states, attempts, values)])
-    _, cap, mode, servable, now = op
+    _, cap, mode, which_kind, servable, now = op
     error = {"type": "no_capacity", "message": "nobody"}
-    return sorted(store.mark_servable(cap, mode, servable, now, error))
+    # one of the kinds of (cap, mode) there are, by their overrides (none: one with no tasks)
+    kinds = sorted((k for k in store.queued_kinds() if k[:2] == (cap, mode)), key=lambda k: k.resources or "")
+    kind = kinds[which_kind % len(kinds)] if kinds else QueuedKind(cap, mode, None, "t_000000")
+    return sorted(store.mark_servable(kind._replace(sample_id=""), servable, now, error))
 
 
 def test_memory_answers_as_sqlite_for_random_sequences_of_submits_changes_and_sweeps(tmp_path: Path) -> None:

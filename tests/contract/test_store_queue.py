@@ -4,6 +4,7 @@ placement-timeout clock read and write, and the counts metrics and the dashboard
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import replace
 
 from hypothesis import given
@@ -126,21 +127,44 @@ def test_task_stats_group_counts_run_times_costs_and_buckets(store: Store) -> No
     assert store.task_stats(tenant="nobody") == []
 
 
-def test_plain_queued_tasks_are_grouped_into_kinds_and_the_rest_judged_alone(store: Store) -> None:
-    store.insert_tasks([_plain(1), _plain(2), _plain(3, gpu=GpuMode.NEVER), _task(4)])
-    assert sorted(store.queued_kinds()) == [("cap", "never", "t_000003"), ("cap", "prefer", "t_000001")]
-    assert [t.id for t in store.queued_unusual()] == ["t_000004"]
+def _kinds(store: Store) -> list[tuple[str, str, object, str]]:
+    """The kinds, comparable across stores: overrides as the JSON they hold (each store keeps its own text)."""
+    kinds = [(k.capability, k.gpu_mode, k.resources and json.loads(k.resources), k.sample_id)
+             for k in store.queued_kinds()]  # fmt: skip
+    return sorted(kinds, key=lambda k: (k[0], k[1], k[3]))
+
+
+def test_queued_tasks_never_retried_are_grouped_into_kinds_by_overrides_and_retries_judged_alone(
+    store: Store,
+) -> None:
+    retried = replace(_plain(6), routing=Routing(avoid_gpus=("GPU-1",)))
+    store.insert_tasks([_plain(1), _plain(2), _plain(3, gpu=GpuMode.NEVER), _task(4), _task(5), retried])
+    assert _kinds(store) == [("cap", "never", None, "t_000003"), ("cap", "prefer", None, "t_000001"),
+                             ("cap", "prefer", {"memory": 2**30}, "t_000004")]  # fmt: skip
+    assert [t.id for t in store.queued_unusual()] == ["t_000006"]
+
+
+def test_the_placement_clock_of_a_kind_with_overrides_moves_only_its_own_tasks(store: Store) -> None:
+    store.insert_tasks([_plain(1), _task(4), _task(5)])
+    (with_overrides,) = [k for k in store.queued_kinds() if k.resources is not None]
+    assert store.mark_servable(with_overrides, False, 1000.0, NO_CAPACITY) == []
+    since = {t.id: t.unservable_since for t in store.get_tasks(["t_000001", "t_000004", "t_000005"])}
+    assert since == {"t_000001": None, "t_000004": 1000.0, "t_000005": 1000.0}
+    later = 1000.0 + store.get_task("t_000004").spec.placement_timeout_s  # type: ignore[union-attr]
+    assert sorted(store.mark_servable(with_overrides, False, later, NO_CAPACITY)) == ["t_000004", "t_000005"]
+    assert store.get_task("t_000001").state is TaskState.QUEUED  # type: ignore[union-attr]
 
 
 def test_the_placement_clock_starts_fails_the_kind_when_due_and_clears_when_servable(store: Store) -> None:
     store.insert_tasks([_plain(1), _plain(2, timeout_s=30.0), _plain(3, gpu=GpuMode.NEVER), _task(4)])
     # Given nobody can serve (cap, prefer): the clock starts for its plain tasks only
-    assert store.mark_servable("cap", "prefer", False, 1000.0, NO_CAPACITY) == []
+    prefer = next(k for k in store.queued_kinds() if k[:3] == ("cap", "prefer", None))
+    assert store.mark_servable(prefer, False, 1000.0, NO_CAPACITY) == []
     assert [t.unservable_since for t in store.get_tasks(["t_000001", "t_000002"])] == [1000.0, 1000.0]
     assert store.get_task("t_000003").unservable_since is None  # type: ignore[union-attr]
     # When time passes: the clock keeps its start, and a task fails once its own placement_timeout_s is over
-    assert store.mark_servable("cap", "prefer", False, 1005.0, NO_CAPACITY) == []
-    assert store.mark_servable("cap", "prefer", False, 1010.0, NO_CAPACITY) == ["t_000001"]
+    assert store.mark_servable(prefer, False, 1005.0, NO_CAPACITY) == []
+    assert store.mark_servable(prefer, False, 1010.0, NO_CAPACITY) == ["t_000001"]
     failed = store.get_task("t_000001")
     assert failed is not None and (failed.state, failed.error, failed.finished_at) == (
         TaskState.FAILED,
@@ -148,7 +172,7 @@ def test_the_placement_clock_starts_fails_the_kind_when_due_and_clears_when_serv
         1010.0,
     )
     # When a worker can serve it again: the clock of what is still queued is cleared
-    assert store.mark_servable("cap", "prefer", True, 1011.0, NO_CAPACITY) == []
+    assert store.mark_servable(prefer, True, 1011.0, NO_CAPACITY) == []
     assert store.get_task("t_000002").unservable_since is None  # type: ignore[union-attr]
     assert store.get_task("t_000004").unservable_since is None  # type: ignore[union-attr]
 

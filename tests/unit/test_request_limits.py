@@ -110,7 +110,8 @@ _VALUES: st.SearchStrategy[Any] = st.recursive(
 def test_strict_json_takes_what_json_can_carry_and_names_the_first_place_it_cannot(value: Any) -> None:
     """The quick checks (hooks in the parser, a count of brackets) agree with the full walk (`problem`)."""
     body = json.dumps(value).encode()  # ASCII: surrogates escaped; NaN and Infinity written as Python does
-    parsed = json.loads(body)  # what a lenient parser reads (two escaped halves of a pair read as one character)
+    # what a lenient parser reads: two escaped halves of a surrogate pair read back as one character
+    parsed = json.loads(body)
     found = problem(parsed)
     if found is None:
         assert strict_loads(body) == parsed

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from turnout.models import Task, TaskState, Worker, WorkerState
 
@@ -31,6 +31,17 @@ if TYPE_CHECKING:
 
 # (task id, the states it may be in, the attempt it must be at or None for any, the column values to set)
 TaskChange = tuple[str, Sequence[TaskState], "int | None", dict[str, Any]]
+
+
+class QueuedKind(NamedTuple):
+    """Queued tasks that share one verdict on whether any live worker could serve them (the sweep's
+    `no_capacity` clock): one capability, gpu value and set of resource overrides, never retried (no routing
+    history). `resources` is the overrides as stored (JSON text; None for none), `sample_id` one such task."""
+
+    capability: str
+    gpu_mode: str
+    resources: str | None
+    sample_id: str
 
 
 def queue_pages(limit: int, widen_to: int | None) -> Iterator[tuple[int, int]]:
@@ -104,13 +115,15 @@ class TaskStore(Protocol):
 
     def gpu_use_by_tenant(self) -> dict[str, float]: ...
 
-    def queued_kinds(self) -> list[tuple[str, str, str]]: ...
+    def queued_kinds(self) -> list[QueuedKind]: ...
 
-    def queued_unusual(self, limit: int = 10_000) -> list[Task]: ...
+    def queued_unusual(self, limit: int = 10_000) -> list[Task]:
+        """Queued tasks with a routing history (a retry): each needs its own verdict."""
+        ...
 
-    def mark_servable(
-        self, capability: str, gpu_mode: str, servable: bool, now: float, error: dict[str, Any]
-    ) -> list[str]: ...
+    def mark_servable(self, kind: QueuedKind, servable: bool, now: float, error: dict[str, Any]) -> list[str]:
+        """Start, clear, or act on the placement-timeout clock of one kind's tasks; the ids that failed."""
+        ...
 
     def active_tasks(self, worker_ids: Iterable[str] | None = None) -> list[Task]: ...
 

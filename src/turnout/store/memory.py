@@ -34,7 +34,7 @@ from turnout.models import Allocation, Task, TaskState, Worker, WorkerState
 from turnout.pipelines import PipelineRun, RunState
 from turnout.profiles import Profile, RunSample, fold
 from turnout.store import schema
-from turnout.store.base import TaskChange, queue_pages
+from turnout.store.base import QueuedKind, TaskChange, queue_pages
 from turnout.store.files import FileRecord
 from turnout.store.runs import _run, _run_row
 from turnout.store.sql import _dedupe, _encode, _task, _worker, _worker_row, gpus_held
@@ -308,41 +308,37 @@ class MemoryStore:
                      if r["state"] in _ACTIVE and (r["gpus"] is not None or (r["worker_id"] or "").startswith("cloud:"))]  # fmt: skip
         return gpus_held(holds)
 
-    def queued_kinds(self) -> list[tuple[str, str, str]]:
-        kinds: dict[tuple[str, str], str] = {}
+    def queued_kinds(self) -> list[QueuedKind]:
+        kinds: dict[tuple[str, str, str | None], str] = {}
         with self._lock:
-            for r in self._plain_queued():
-                key = (r["capability"], r["gpu_mode"])
+            for r in self._never_retried():
+                key = (r["capability"], r["gpu_mode"], r["resources"])
                 kinds[key] = min(kinds.get(key, r["id"]), r["id"])
-        return [(c, m, i) for (c, m), i in sorted(kinds.items())]
+        return [QueuedKind(c, m, res, i) for (c, m, res), i in kinds.items()]
 
-    def _plain_queued(self, capability: str | None = None, gpu_mode: str | None = None) -> list[Row]:
-        """Queued tasks with no overrides and no retry history (of one kind, if named)."""
-        return [r for r in self._tasks.values() if r["state"] == _QUEUED and r["resources"] is None
-                and r["routing"] is None and (capability is None or r["capability"] == capability)
-                and (gpu_mode is None or r["gpu_mode"] == gpu_mode)]  # fmt: skip
+    def _never_retried(self, kind: QueuedKind | None = None) -> list[Row]:
+        """Queued tasks with no retry history (of one kind, if named)."""
+        return [r for r in self._tasks.values() if r["state"] == _QUEUED and r["routing"] is None
+                and (kind is None or (r["capability"], r["gpu_mode"], r["resources"]) == kind[:3])]  # fmt: skip
 
     def queued_unusual(self, limit: int = 10_000) -> list[Task]:
         with self._lock:
-            rows = [r for r in self._tasks.values() if r["state"] == _QUEUED
-                    and (r["resources"] is not None or r["routing"] is not None)]  # fmt: skip
+            rows = [r for r in self._tasks.values() if r["state"] == _QUEUED and r["routing"] is not None]
             return [self._task(r) for r in rows[:limit]]
 
-    def mark_servable(
-        self, capability: str, gpu_mode: str, servable: bool, now: float, error: dict[str, Any]
-    ) -> list[str]:
+    def mark_servable(self, kind: QueuedKind, servable: bool, now: float, error: dict[str, Any]) -> list[str]:
         """As `SqlStore.mark_servable`: start, clear, or act on the placement-timeout clock of one kind."""
         with self._transaction():
-            kind = self._plain_queued(capability, gpu_mode)
+            tasks = self._never_retried(kind)
             if servable:
-                for r in kind:
+                for r in tasks:
                     if r["unservable_since"] is not None:
                         self._set(self._tasks, TASKS, r["id"], {"unservable_since": None})
                 return []
-            for r in kind:
+            for r in tasks:
                 if r["unservable_since"] is None:
                     self._set(self._tasks, TASKS, r["id"], {"unservable_since": now})
-            due = [r["id"] for r in self._plain_queued(capability, gpu_mode)
+            due = [r["id"] for r in self._never_retried(kind)
                    if r["unservable_since"] + r["placement_timeout_s"] <= now]  # fmt: skip
             for task_id in due:
                 failed = {"state": TaskState.FAILED.value, "error": error, "finished_at": now}

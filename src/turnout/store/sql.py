@@ -40,7 +40,7 @@ from turnout.models import (
 )
 from turnout.resources import parse_resources
 from turnout.store import schema
-from turnout.store.base import queue_pages
+from turnout.store.base import QueuedKind, queue_pages
 from turnout.store.migrations import migrate
 
 if TYPE_CHECKING:
@@ -360,50 +360,45 @@ class SqlStore:
             query = sa.select(T.c.capability).where(T.c.state == TaskState.QUEUED.value).distinct()
             return list(conn.execute(query).all())
 
-    def queued_kinds(self) -> list[tuple[str, str, str]]:
-        """(capability, gpu mode, a task id) per kind of plain queued task: no overrides, never retried."""
+    def queued_kinds(self) -> list[QueuedKind]:
+        """One per kind of queued task never retried (`QueuedKind`): a deep queue of tasks with the same
+        overrides (`gpu: 0.25`) is judged once, not task by task."""
         query = (
-            sa.select(T.c.capability, T.c.gpu_mode, sa.func.min(T.c.id))
-            .where(T.c.state == TaskState.QUEUED.value, T.c.resources.is_(None), T.c.routing.is_(None))
-            .group_by(T.c.capability, T.c.gpu_mode)
+            sa.select(T.c.capability, T.c.gpu_mode, _RESOURCES_TEXT, sa.func.min(T.c.id))
+            .where(T.c.state == TaskState.QUEUED.value, T.c.routing.is_(None))
+            .group_by(T.c.capability, T.c.gpu_mode, _RESOURCES_TEXT)
         )
         with self._read() as conn:
-            return [(c, m, i) for c, m, i in conn.execute(query)]
+            return [QueuedKind(c, m, r, i) for c, m, r, i in conn.execute(query)]
 
     def queued_unusual(self, limit: int = 10_000) -> list[Task]:
-        """Queued tasks with their own resources or a routing history: each needs its own verdict."""
-        query = (
-            sa.select(T)
-            .where(
-                T.c.state == TaskState.QUEUED.value,
-                sa.or_(T.c.resources.is_not(None), T.c.routing.is_not(None)),
-            )
-            .limit(limit)
-        )
+        """Queued tasks with a routing history (a retry): each needs its own verdict."""
+        query = sa.select(T).where(T.c.state == TaskState.QUEUED.value, T.c.routing.is_not(None)).limit(limit)
         with self._read() as conn:
             return [_task(r) for r in conn.execute(query)]
 
-    def mark_servable(
-        self, capability: str, gpu_mode: str, servable: bool, now: float, error: dict[str, Any]
-    ) -> list[str]:
-        """For plain queued tasks of one kind: start, clear, or act on the placement-timeout clock, in SQL.
+    def mark_servable(self, kind: QueuedKind, servable: bool, now: float, error: dict[str, Any]) -> list[str]:
+        """For the queued tasks of one kind: start, clear, or act on the placement-timeout clock, in SQL.
 
         Returns the ids that failed `no_capacity` (unservable for their whole `placement_timeout_s`).
         """
-        kind = (T.c.state == TaskState.QUEUED.value, T.c.capability == capability, T.c.gpu_mode == gpu_mode,
-                T.c.resources.is_(None), T.c.routing.is_(None))  # fmt: skip
+        same = _RESOURCES_TEXT.is_not_distinct_from(kind.resources)  # NULL: no overrides
+        where = (T.c.state == TaskState.QUEUED.value, T.c.capability == kind.capability,
+                 T.c.gpu_mode == kind.gpu_mode, same, T.c.routing.is_(None))  # fmt: skip
         failed: list[str] = []
         with self._write() as conn:
             if servable:
                 conn.execute(
-                    T.update().where(*kind, T.c.unservable_since.is_not(None)).values(unservable_since=None)
+                    T.update().where(*where, T.c.unservable_since.is_not(None)).values(unservable_since=None)
                 )
                 return failed
-            conn.execute(T.update().where(*kind, T.c.unservable_since.is_(None)).values(unservable_since=now))
-            due = (*kind, T.c.unservable_since + T.c.placement_timeout_s <= now)
+            conn.execute(
+                T.update().where(*where, T.c.unservable_since.is_(None)).values(unservable_since=now)
+            )
+            due = (*where, T.c.unservable_since + T.c.placement_timeout_s <= now)
             failed = [r[0] for r in conn.execute(sa.select(T.c.id).where(*due))]
             if failed:
-                conn.execute(T.update().where(T.c.id.in_(failed), *kind)
+                conn.execute(T.update().where(T.c.id.in_(failed), *where)
                              .values(state=TaskState.FAILED.value, error=error, finished_at=now))  # fmt: skip
         return failed
 
@@ -683,6 +678,9 @@ _GET_TASK = sa.select(T).where(T.c.id == sa.bindparam("id"))
 _GET_TASKS = sa.select(T).where(T.c.id.in_(sa.bindparam("ids", expanding=True)))
 _ACTIVE = (TaskState.LEASED.value, TaskState.RUNNING.value)
 _ACTIVE_ALL = sa.select(T).where(T.c.state.in_(_ACTIVE))
+# a task's resource overrides as stored: tasks with equal text share a kind (`QueuedKind`); PostgreSQL's json
+# keeps the text as written, and has no equality of its own
+_RESOURCES_TEXT = sa.cast(T.c.resources, sa.Text)
 _ACTIVE_OF = _ACTIVE_ALL.where(T.c.worker_id.in_(sa.bindparam("workers", expanding=True)))
 _QUEUE_ORDER = "ORDER BY priority DESC, created_at, id LIMIT ? OFFSET ?"  # _QUEUED's, as SQLite text
 _QUEUED = (
