@@ -237,7 +237,7 @@ class PipelineRuns:
 
     def sweep(self) -> bool:
         """Move on every running run whose stage ended by other means than a worker's result."""
-        return any([self._advance(run) is not None for run in self.store.running_runs()])
+        return any([self._advance(run) is not None for run in self.store.runs_to_move_on()])
 
     def take_queued(self) -> Sequence[Task]:
         """The stage tasks queued since the last call (empty: none); MAX_NOTED of them at most (more were

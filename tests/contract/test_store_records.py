@@ -6,7 +6,7 @@ import pytest
 import sqlalchemy as sa
 
 from tests.contract.test_store import _task
-from turnout.models import Device, TaskState, Variant, Worker, WorkerState
+from turnout.models import Device, GpuMode, Task, TaskSpec, TaskState, Variant, Worker, WorkerState
 from turnout.pipelines import PipelineRun, RunState, Stage
 from turnout.profiles import Profile
 from turnout.resources import parse_resources
@@ -60,8 +60,28 @@ def test_a_run_moves_on_only_while_its_task_list_is_as_expected(store: Store) ->
         {"label": "ok"},
         9.0,
     )
-    assert store.runs.running_runs() == []
+    assert store.runs.runs_to_move_on() == []
     assert not store.runs.update_run("r_404", 0, {"state": RunState.FAILED})
+
+
+def test_the_sweep_reads_only_running_runs_with_no_stage_queued_or_in_flight(store: Store) -> None:
+    def stage(run: int, i: int, state: TaskState) -> Task:
+        spec = TaskSpec(capability="cap", input={}, gpu=GpuMode.NEVER)
+        return Task(id=f"t_{run}{i}", tenant="default", spec=spec, state=state, created_at=1.0,
+                    pipeline_run_id=f"r_{run:06d}")  # fmt: skip
+
+    tasks = [stage(1, 0, TaskState.QUEUED), stage(2, 0, TaskState.SUCCEEDED), stage(2, 1, TaskState.RUNNING),
+             stage(3, 0, TaskState.SUCCEEDED), stage(4, 0, TaskState.CANCELLED), stage(5, 0, TaskState.LEASED)]  # fmt: skip
+    store.insert_tasks(tasks)
+    for n in range(1, 6):
+        store.runs.insert_run(
+            _run(n, task_ids=tuple(t.id for t in tasks if t.pipeline_run_id == f"r_{n:06d}"))
+        )
+    # Given runs 1, 2 and 5 have a stage waiting or under way, and runs 3 and 4 a stage that ended
+    assert [r.id for r in store.runs.runs_to_move_on()] == ["r_000003", "r_000004"]
+    # When a run ends, the sweep no longer reads it
+    store.runs.update_run("r_000003", 1, {"state": RunState.SUCCEEDED, "finished_at": 2.0})
+    assert [r.id for r in store.runs.runs_to_move_on(limit=5)] == ["r_000004"]
 
 
 def test_run_counts_and_costs_are_grouped(store: Store) -> None:

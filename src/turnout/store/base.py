@@ -225,7 +225,9 @@ class RunRecords(Protocol):
         self, *, tenant: str | None, state: str | None = None, limit: int = 50, cursor: str | None = None
     ) -> list[PipelineRun]: ...
 
-    def running_runs(self, limit: int = 1000) -> list[PipelineRun]: ...
+    def runs_to_move_on(self, limit: int = 1000) -> list[PipelineRun]:
+        """Running runs with no stage queued or in flight (the sweep moves them on)."""
+        ...
 
     def update_run(self, run_id: str, expect_tasks: int, values: dict[str, Any]) -> bool:
         """Change a running run whose task list still has `expect_tasks` entries; whether it did."""

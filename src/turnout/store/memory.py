@@ -605,9 +605,13 @@ class MemoryRuns:
             rows.sort(key=lambda r: r["id"], reverse=True)
             return [_run(RUNS.decode(r)) for r in rows[:limit]]
 
-    def running_runs(self, limit: int = 1000) -> list[PipelineRun]:
+    def runs_to_move_on(self, limit: int = 1000) -> list[PipelineRun]:
+        """As the SQL store's: running runs with no stage queued or in flight."""
         with self.store._lock:
-            rows = sorted((r for r in self.store._runs.values() if r["state"] == RunState.RUNNING.value),
+            waiting = {t["pipeline_run_id"] for t in self.store._tasks.values()
+                       if t["state"] == _QUEUED or t["state"] in _ACTIVE}  # fmt: skip
+            rows = sorted((r for r in self.store._runs.values()
+                           if r["state"] == RunState.RUNNING.value and r["id"] not in waiting),
                           key=lambda r: r["id"])  # fmt: skip
             return [_run(RUNS.decode(r)) for r in rows[:limit]]
 

@@ -14,13 +14,15 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-from turnout.models import GpuMode
+from turnout.models import GpuMode, TaskState
 from turnout.pipelines import PipelineRun, RunState, Stage
 from turnout.profiles import Profile, RunSample, fold
 from turnout.store import schema
 from turnout.store.sql import RawTable, SqlStore, sqlite_of
 
 R = schema.pipeline_runs
+T = schema.tasks
+_NOT_ENDED = [TaskState.QUEUED.value, TaskState.LEASED.value, TaskState.RUNNING.value]
 P = schema.profiles
 # hot statements, built once (as in sql.py): a chained report reads and moves its run in the same commit
 _GET_RUNS = sa.select(R).where(R.c.id.in_(sa.bindparam("ids", expanding=True)))
@@ -89,9 +91,15 @@ class RunStore:
         with self.store._read() as conn:
             return [_run(r) for r in conn.execute(query)]
 
-    def running_runs(self, limit: int = 1000) -> list[PipelineRun]:
+    def runs_to_move_on(self, limit: int = 1000) -> list[PipelineRun]:
+        """Running runs with no stage queued or in flight: a stage of each ended without its run moving on
+        (a timeout, a cancel, `no_capacity`, a move-on lost to a race). A run whose stage still waits or runs
+        is not read: the sweep's cost follows the runs that need it, not every run under way."""
+        waiting = sa.exists().where(T.c.pipeline_run_id == R.c.id, T.c.state.in_(_NOT_ENDED))
+        query = (
+            sa.select(R).where(R.c.state == RunState.RUNNING.value, ~waiting).order_by(R.c.id).limit(limit)
+        )
         with self.store._read() as conn:
-            query = sa.select(R).where(R.c.state == RunState.RUNNING.value).order_by(R.c.id).limit(limit)
             return [_run(r) for r in conn.execute(query)]
 
     def update_run(self, run_id: str, expect_tasks: int, values: dict[str, Any]) -> bool:
