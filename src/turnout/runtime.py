@@ -165,8 +165,8 @@ def wait_healthy(url: str, timeout_s: float = 20.0) -> bool:
 
 def run_loop(main: Coroutine[Any, Any, None]) -> None:
     """Run `main` on uvloop where it is installed (uvicorn's standard extras bring it, except on Windows), as
-    the controller's server runs: a worker agent spends about a fifth less CPU per task on it than on asyncio's
-    own loop (its pipes to the task processes, its connection to the controller)."""
+    the controller's server runs: a worker agent spends a tenth to a fifth less CPU per task on it than on
+    asyncio's own loop (its pipes to the task processes, its connection to the controller)."""
     try:
         import uvloop
     except ImportError:  # pragma: no cover - installed with uvicorn[standard] wherever it builds
