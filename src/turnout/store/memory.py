@@ -42,6 +42,7 @@ from turnout.store.sql import _dedupe, _encode, _task, _worker, _worker_row, gpu
 _MISSING = object()
 _ACTIVE = frozenset({TaskState.LEASED.value, TaskState.RUNNING.value})
 _QUEUED = TaskState.QUEUED.value
+_NOT_ENDED = frozenset(s.value for s in TaskState if not s.terminal)  # queued, leased, running
 Row = dict[str, Any]
 
 
@@ -608,8 +609,7 @@ class MemoryRuns:
     def runs_to_move_on(self, limit: int = 1000) -> list[PipelineRun]:
         """As the SQL store's: running runs with no stage queued or in flight."""
         with self.store._lock:
-            waiting = {t["pipeline_run_id"] for t in self.store._tasks.values()
-                       if t["state"] == _QUEUED or t["state"] in _ACTIVE}  # fmt: skip
+            waiting = {t["pipeline_run_id"] for t in self.store._tasks.values() if t["state"] in _NOT_ENDED}
             rows = sorted((r for r in self.store._runs.values()
                            if r["state"] == RunState.RUNNING.value and r["id"] not in waiting),
                           key=lambda r: r["id"])  # fmt: skip

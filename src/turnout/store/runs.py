@@ -22,7 +22,7 @@ from turnout.store.sql import RawTable, SqlStore, sqlite_of
 
 R = schema.pipeline_runs
 T = schema.tasks
-_NOT_ENDED = [TaskState.QUEUED.value, TaskState.LEASED.value, TaskState.RUNNING.value]
+_NOT_ENDED = [s.value for s in TaskState if not s.terminal]  # queued, leased, running
 P = schema.profiles
 # hot statements, built once (as in sql.py): a chained report reads and moves its run in the same commit
 _GET_RUNS = sa.select(R).where(R.c.id.in_(sa.bindparam("ids", expanding=True)))
