@@ -678,10 +678,10 @@ _GET_TASK = sa.select(T).where(T.c.id == sa.bindparam("id"))
 _GET_TASKS = sa.select(T).where(T.c.id.in_(sa.bindparam("ids", expanding=True)))
 _ACTIVE = (TaskState.LEASED.value, TaskState.RUNNING.value)
 _ACTIVE_ALL = sa.select(T).where(T.c.state.in_(_ACTIVE))
+_ACTIVE_OF = _ACTIVE_ALL.where(T.c.worker_id.in_(sa.bindparam("workers", expanding=True)))
 # a task's resource overrides as stored: tasks with equal text share a kind (`QueuedKind`); PostgreSQL's json
 # keeps the text as written, and has no equality of its own
 _RESOURCES_TEXT = sa.cast(T.c.resources, sa.Text)
-_ACTIVE_OF = _ACTIVE_ALL.where(T.c.worker_id.in_(sa.bindparam("workers", expanding=True)))
 _QUEUE_ORDER = "ORDER BY priority DESC, created_at, id LIMIT ? OFFSET ?"  # _QUEUED's, as SQLite text
 _QUEUED = (
     sa.select(T)
