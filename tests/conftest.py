@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from bench.common import Processes  # every process a test starts, stopped with its group at teardown
@@ -61,20 +62,40 @@ class Cluster:
         return env
 
     def start_controller(self) -> None:
-        argv = [sys.executable, "-m", "turnout.cli", "controller", "--db", self.db, "--port", str(self.port),
-                "--home", str(self.tmp / "home"), "--heartbeat-s", str(self.heartbeat_s), *self.extra_args]  # fmt: skip
-        self.controller = self.procs.start(argv, self.env, self.tmp / "controller.log")
+        """Start the controller and wait until it serves. A port picked by `free_port` may be taken by another
+        test's server before this controller binds it: a first start then moves to a fresh port (a restart keeps
+        its port, which its workers know), and a healthz answered by that other server is never taken for this
+        one's."""
+        first_start = self.controller is None
+        for attempt in range(3):
+            argv = [sys.executable, "-m", "turnout.cli", "controller", "--db", self.db, "--port", str(self.port),
+                    "--home", str(self.tmp / "home"), "--heartbeat-s", str(self.heartbeat_s), *self.extra_args]  # fmt: skip
+            self.controller = self.procs.start(argv, self.env, self.tmp / "controller.log")
+            if self._serving(self.controller):
+                break
+            if not first_start or attempt == 2:
+                raise RuntimeError(f"port {self.port} is taken: {(self.tmp / 'controller.log').read_text()}")
+            self.port = free_port()
+        self.token = (self.tmp / "home" / "admin.token").read_text().strip()
+
+    def _serving(self, proc: subprocess.Popen[bytes]) -> bool:
+        """True once `proc` listens on the port and answers healthz; False if it exited because the port was
+        taken; raises if it exited for any other reason or never came up."""
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            if self.controller.poll() is not None:
-                raise RuntimeError(f"controller exited: {(self.tmp / 'controller.log').read_text()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    break
+            if proc.poll() is not None:
+                log = (self.tmp / "controller.log").read_text()
+                if "address already in use" in log.lower():
+                    return False
+                raise RuntimeError(f"controller exited: {log}")
+            with contextlib.suppress(httpx.HTTPError, psutil.Error):
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200 and any(
+                    c.status == psutil.CONN_LISTEN and c.laddr.port == self.port
+                    for c in psutil.Process(proc.pid).net_connections("tcp")
+                ):
+                    return True
             time.sleep(0.05)
-        else:
-            raise RuntimeError("controller did not come up")
-        self.token = (self.tmp / "home" / "admin.token").read_text().strip()
+        raise RuntimeError("controller did not come up")
 
     def kill_controller(self) -> None:
         assert self.controller is not None
