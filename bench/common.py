@@ -16,10 +16,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -98,6 +100,48 @@ def log_tail(path: Path, chars: int = 3000) -> str:
     return path.read_text(errors="replace")[-chars:] if path.exists() else ""
 
 
+def start_serving(
+    start: Callable[[int], subprocess.Popen[bytes]],
+    port: int,
+    log: Path,
+    *,
+    may_move: bool,
+    timeout_s: float = 30,
+) -> tuple[subprocess.Popen[bytes], int]:
+    """Start a controller with `start(port)` and wait until it serves there; returns it and its port.
+
+    A port picked by `free_port` may be taken by another process before the controller binds it. Where the
+    controller may move (`may_move`: a first start, before any worker knows its address) it starts again on a
+    fresh port; and a healthz answered by whatever holds the port is never taken for this controller's."""
+    for attempt in range(3):
+        proc = start(port)
+        if _serving(proc, port, log, timeout_s):
+            return proc, port
+        if not may_move or attempt == 2:
+            raise RuntimeError(f"port {port} is taken: {log_tail(log)}")
+        port = free_port()
+    raise AssertionError("unreachable")
+
+
+def _serving(proc: subprocess.Popen[bytes], port: int, log: Path, timeout_s: float) -> bool:
+    """True once `proc` listens on `port` and answers healthz; False if it exited because the port was taken;
+    raises if it exited for any other reason or never came up."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            if "address already in use" in log_tail(log).lower():
+                return False
+            raise RuntimeError(f"controller exited: {log_tail(log)}")
+        with contextlib.suppress(httpx.HTTPError, psutil.Error):
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200 and any(
+                c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                for c in psutil.Process(proc.pid).net_connections("tcp")
+            ):
+                return True
+        time.sleep(0.05)
+    raise RuntimeError(f"controller did not come up: {log_tail(log)}")
+
+
 @dataclass
 class TurnoutCluster:
     """A controller on a fresh SQLite file in `tmp` (or on `db`), and `turnout worker` processes added to it."""
@@ -135,19 +179,16 @@ class TurnoutCluster:
 
     def start_controller(self, timeout_s: float = 30) -> None:
         db = self.db or f"sqlite:///{self.tmp / 'turnout.db'}"
-        argv = [sys.executable, "-m", "turnout.cli", "controller", "--db", db, "--port", str(self.port),
-                "--home", str(self.home_dir), "--heartbeat-s", str(self.heartbeat_s), *self.controller_args]  # fmt: skip
-        self.controller = self.procs.start(argv, self.env, self.tmp / "controller.log")
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.controller.poll() is not None:
-                raise RuntimeError(f"controller exited: {self.log_tail('controller')}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.05)
-        else:
-            raise RuntimeError(f"controller did not come up: {self.log_tail('controller')}")
+
+        def start(port: int) -> subprocess.Popen[bytes]:
+            self.port = port
+            argv = [sys.executable, "-m", "turnout.cli", "controller", "--db", db, "--port", str(port),
+                    "--home", str(self.home_dir), "--heartbeat-s", str(self.heartbeat_s), *self.controller_args]  # fmt: skip
+            return self.procs.start(argv, self.env, self.tmp / "controller.log")
+
+        first_start = self.controller is None
+        self.controller, self.port = start_serving(start, self.port, self.tmp / "controller.log",
+                                                   may_move=first_start, timeout_s=timeout_s)  # fmt: skip
         self.token = (self.home_dir / "admin.token").read_text().strip()
 
     def start_worker(

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,19 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 
-from bench.common import Processes  # every process a test starts, stopped with its group at teardown
+# Processes: every process a test starts, stopped with its group at teardown
+from bench.common import Processes, free_port, start_serving
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = (REPO / ".." / "shared").resolve()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -62,40 +55,18 @@ class Cluster:
         return env
 
     def start_controller(self) -> None:
-        """Start the controller and wait until it serves. A port picked by `free_port` may be taken by another
-        test's server before this controller binds it: a first start then moves to a fresh port (a restart keeps
-        its port, which its workers know), and a healthz answered by that other server is never taken for this
-        one's."""
-        first_start = self.controller is None
-        for attempt in range(3):
-            argv = [sys.executable, "-m", "turnout.cli", "controller", "--db", self.db, "--port", str(self.port),
-                    "--home", str(self.tmp / "home"), "--heartbeat-s", str(self.heartbeat_s), *self.extra_args]  # fmt: skip
-            self.controller = self.procs.start(argv, self.env, self.tmp / "controller.log")
-            if self._serving(self.controller):
-                break
-            if not first_start or attempt == 2:
-                raise RuntimeError(f"port {self.port} is taken: {(self.tmp / 'controller.log').read_text()}")
-            self.port = free_port()
-        self.token = (self.tmp / "home" / "admin.token").read_text().strip()
+        """Start the controller and wait until it serves; a first start moves to a fresh port if another
+        process took the one picked (a restart keeps its port, which its workers know)."""
 
-    def _serving(self, proc: subprocess.Popen[bytes]) -> bool:
-        """True once `proc` listens on the port and answers healthz; False if it exited because the port was
-        taken; raises if it exited for any other reason or never came up."""
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                log = (self.tmp / "controller.log").read_text()
-                if "address already in use" in log.lower():
-                    return False
-                raise RuntimeError(f"controller exited: {log}")
-            with contextlib.suppress(httpx.HTTPError, psutil.Error):
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200 and any(
-                    c.status == psutil.CONN_LISTEN and c.laddr.port == self.port
-                    for c in psutil.Process(proc.pid).net_connections("tcp")
-                ):
-                    return True
-            time.sleep(0.05)
-        raise RuntimeError("controller did not come up")
+        def start(port: int) -> subprocess.Popen[bytes]:
+            self.port = port
+            argv = [sys.executable, "-m", "turnout.cli", "controller", "--db", self.db, "--port", str(port),
+                    "--home", str(self.tmp / "home"), "--heartbeat-s", str(self.heartbeat_s), *self.extra_args]  # fmt: skip
+            return self.procs.start(argv, self.env, self.tmp / "controller.log")
+
+        self.controller, self.port = start_serving(start, self.port, self.tmp / "controller.log",
+                                                   may_move=self.controller is None)  # fmt: skip
+        self.token = (self.tmp / "home" / "admin.token").read_text().strip()
 
     def kill_controller(self) -> None:
         assert self.controller is not None
