@@ -114,8 +114,11 @@ def start_serving(
     controller may move (`may_move`: a first start, before any worker knows its address) it starts again on a
     fresh port; and a healthz answered by whatever holds the port is never taken for this controller's."""
     for attempt in range(3):
+        written = (
+            log.stat().st_size if log.exists() else 0
+        )  # the log is appended to: a restart's is after this
         proc = start(port)
-        if _serving(proc, port, log, timeout_s):
+        if _serving(proc, port, log, timeout_s, written):
             return proc, port
         if not may_move or attempt == 2:
             raise RuntimeError(f"port {port} is taken: {log_tail(log)}")
@@ -123,14 +126,17 @@ def start_serving(
     raise AssertionError("unreachable")
 
 
-def _serving(proc: subprocess.Popen[bytes], port: int, log: Path, timeout_s: float) -> bool:
-    """True once `proc` listens on `port` and answers healthz; False if it exited because the port was taken;
-    raises if it exited for any other reason or never came up."""
+def _serving(proc: subprocess.Popen[bytes], port: int, log: Path, timeout_s: float, written: int) -> bool:
+    """True once `proc` listens on `port` and answers healthz; False if it exited because the port was taken
+    (as its own lines in `log`, from offset `written`, say); raises if it exited for any other reason or never
+    came up."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            if "address already in use" in log_tail(log).lower():
-                return False
+            with log.open("rb") as fh:
+                fh.seek(written)
+                if b"address already in use" in fh.read().lower():
+                    return False
             raise RuntimeError(f"controller exited: {log_tail(log)}")
         with contextlib.suppress(httpx.HTTPError, psutil.Error):
             if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200 and any(
