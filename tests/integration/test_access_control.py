@@ -6,33 +6,29 @@ app (tests/inprocess/test_access_control.py): access is decided in the routes, s
 
 from __future__ import annotations
 
-import contextlib
 import os
+import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import Processes, free_port
+from bench.common import Processes, free_port, start_serving
 
 
 @pytest.fixture
 def no_auth_controller(tmp_path: Path, processes: Processes) -> Iterator[str]:
-    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("TURNOUT_")}
-    proc = processes.start([sys.executable, "-m", "turnout.cli", "controller", "--no-auth", "--port", str(port),
-                            "--home", str(tmp_path / "home"), "--db", f"sqlite:///{tmp_path / 'db.sqlite'}"],
-                           env, tmp_path / "controller.log")  # fmt: skip
+
+    def start(port: int) -> subprocess.Popen[bytes]:
+        return processes.start([sys.executable, "-m", "turnout.cli", "controller", "--no-auth", "--port", str(port),
+                                "--home", str(tmp_path / "home"), "--db", f"sqlite:///{tmp_path / 'db.sqlite'}"],
+                               env, tmp_path / "controller.log")  # fmt: skip
+
+    _, port = start_serving(start, free_port(), tmp_path / "controller.log", may_move=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and proc.poll() is None:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                break
-        time.sleep(0.05)
     yield url  # the `processes` fixture stops it, also when the test fails
 
 
