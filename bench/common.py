@@ -113,17 +113,15 @@ def start_serving(
     A port picked by `free_port` may be taken by another process before the controller binds it. Where the
     controller may move (`may_move`: a first start, before any worker knows its address) it starts again on a
     fresh port; and a healthz answered by whatever holds the port is never taken for this controller's."""
-    for attempt in range(3):
-        written = (
-            log.stat().st_size if log.exists() else 0
-        )  # the log is appended to: a restart's is after this
+    taken = port
+    for _ in range(3 if may_move else 1):
+        # the log is appended to across restarts: this start's lines are those after `written`
+        written = log.stat().st_size if log.exists() else 0
         proc = start(port)
         if _serving(proc, port, log, timeout_s, written):
             return proc, port
-        if not may_move or attempt == 2:
-            raise RuntimeError(f"port {port} is taken: {log_tail(log)}")
-        port = free_port()
-    raise AssertionError("unreachable")
+        taken, port = port, free_port()
+    raise RuntimeError(f"port {taken} is taken: {log_tail(log)}")
 
 
 def _serving(proc: subprocess.Popen[bytes], port: int, log: Path, timeout_s: float, written: int) -> bool:
