@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import secrets
 import time
 from dataclasses import dataclass
@@ -170,10 +171,14 @@ def check(cred: WorkerCredential | None, by: Principal, secret: str | None) -> W
 
 
 def write_admin_token(home: Path, token: str) -> Path:
-    """$TURNOUT_HOME/admin.token, mode 0600, where the CLI and SDK look."""
+    """$TURNOUT_HOME/admin.token, mode 0600, where the CLI and SDK look. Written whole and renamed into place,
+    so a CLI started beside the controller reads the old token or the new one, never an empty file."""
     home.mkdir(parents=True, exist_ok=True)
     path = home / "admin.token"
-    path.touch(mode=0o600, exist_ok=True)
-    path.chmod(0o600)
-    path.write_text(token + "\n")
+    part = home / f"admin.token.{os.getpid()}.part"
+    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(token + "\n")
+    os.chmod(part, 0o600)  # O_CREAT's mode applies only to a new file
+    os.replace(part, path)
     return path

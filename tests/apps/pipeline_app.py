@@ -49,8 +49,10 @@ def explode(ctx: Context, data: dict[str, Any]) -> None:
 def nap(ctx: Context, data: dict[str, Any]) -> dict[str, Any]:
     """Sleeps `nap_s` (writing its pid to `pidfile` first, where given): a stage that is in flight for a while."""
     if data.get("pidfile"):
-        with open(data["pidfile"], "w") as fh:
+        part = f"{data['pidfile']}.part"  # written whole, then renamed: a reader never sees it empty
+        with open(part, "w") as fh:
             fh.write(str(os.getpid()))
+        os.replace(part, data["pidfile"])
     time.sleep(float(data.get("nap_s", 0)))
     return {"napped_s": data.get("nap_s", 0)}
 

@@ -53,7 +53,9 @@ def gpu_only(ctx: Context, data: Any) -> dict[str, Any]:
 def spawn(ctx: Context, data: dict[str, Any]) -> dict[str, Any]:
     """Starts a grandchild that would outlive us, writes its pid, then sleeps."""
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    Path(data["pidfile"]).write_text(f"{os.getpid()} {child.pid}\n")
+    pidfile = Path(data["pidfile"])  # written whole, then renamed: a reader never sees it empty
+    pidfile.with_suffix(".part").write_text(f"{os.getpid()} {child.pid}\n")
+    os.replace(pidfile.with_suffix(".part"), pidfile)
     time.sleep(float(data.get("sleep", 600)))
     return {}
 

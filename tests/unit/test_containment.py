@@ -168,7 +168,8 @@ def test_a_protocol_process_that_is_killed_takes_its_setsid_children_and_its_cgr
     program = (
         "import os, subprocess, sys, time\n"
         "child = subprocess.Popen([sys.executable, '-c', 'import os, time; os.setsid(); time.sleep(600)'])\n"
-        f"open({str(pidfile)!r}, 'w').write(str(child.pid))\n"
+        f"open({str(pidfile)!r} + '.part', 'w').write(str(child.pid))\n"
+        f"os.replace({str(pidfile)!r} + '.part', {str(pidfile)!r})\n"
         "time.sleep(600)\n"
     )
     contain = Containment(SUPPORT, frozenset({"pdeathsig", "cgroup"}))

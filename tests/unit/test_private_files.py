@@ -62,3 +62,14 @@ def test_a_new_turnout_home_is_private_and_an_unrelated_existing_directory_is_le
     (shared / "admin.token").write_text("x")  # a Turnout home made world-readable by an older version
     private_dir(shared)
     assert mode_of(shared) == 0o700
+
+
+def test_the_admin_token_replaces_a_world_readable_one_whole_and_private(tmp_path: Path) -> None:
+    from turnout.auth import write_admin_token
+
+    old = tmp_path / "admin.token"
+    old.write_text("old-token\n")
+    old.chmod(0o644)
+    path = write_admin_token(tmp_path, "new-token")
+    assert path == old and path.read_text() == "new-token\n" and mode_of(path) == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["admin.token"]  # no part file left beside it
