@@ -65,10 +65,11 @@ def run(quick: bool = False, overhead_only: bool = False, gpu: bool = False) -> 
     """`gpu`: the model parts on this host's real GPU (the worker finds it with `--gpus auto`), no overhead part."""
     procs = Processes()
     with tempfile.TemporaryDirectory(prefix="bench-pipelines-") as tmp:
-        c = TurnoutCluster(Path(tmp), procs, heartbeat_s=0.5)
-        (Path(tmp) / "turnout.yaml").write_text(CONFIG)
+        config = Path(tmp) / "turnout.yaml"
+        config.write_text(CONFIG)
+        c = TurnoutCluster(Path(tmp), procs, heartbeat_s=0.5, controller_args=["--config", str(config)])
         try:
-            _start_controller(c, Path(tmp) / "turnout.yaml")
+            c.start_controller()
             c.start_worker(
                 "bench.model_app:app", "w", extra=["--cpus", "2", *(["--gpus", "auto"] if gpu else [])]
             )
@@ -83,21 +84,6 @@ def run(quick: bool = False, overhead_only: bool = False, gpu: bool = False) -> 
             return out
         finally:
             procs.stop_all()
-
-
-def _start_controller(c: TurnoutCluster, config: Path) -> None:
-    argv = [sys.executable, "-m", "turnout.cli", "controller", "--db", f"sqlite:///{c.tmp / 'turnout.db'}",
-            "--port", str(c.port), "--home", str(c.tmp / "home"), "--heartbeat-s", str(c.heartbeat_s),
-            "--config", str(config)]  # fmt: skip
-    c.controller = c.procs.start(argv, c.env, c.tmp / "controller.log")
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{c.url}/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    c.token = (c.tmp / "home" / "admin.token").read_text().strip()
 
 
 def _warm_cold(http: httpx.Client, n: int, gpu: str) -> dict[str, Any]:

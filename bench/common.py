@@ -13,6 +13,7 @@ import contextlib
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -107,25 +108,37 @@ def start_serving(
     *,
     may_move: bool,
     timeout_s: float = 30,
+    base: str = "http://127.0.0.1",
+    verify: ssl.SSLContext | bool = True,
 ) -> tuple[subprocess.Popen[bytes], int]:
     """Start a controller with `start(port)` and wait until it serves there; returns it and its port.
 
     A port picked by `free_port` may be taken by another process before the controller binds it. Where the
     controller may move (`may_move`: a first start, before any worker knows its address) it starts again on a
-    fresh port; and a healthz answered by whatever holds the port is never taken for this controller's."""
+    fresh port; and a healthz answered by whatever holds the port is never taken for this controller's.
+    `base` is the scheme and host healthz is asked at (`https://10.0.0.1` for one serving TLS in a namespace),
+    `verify` what httpx checks its certificate with."""
     taken = port
     for _ in range(3 if may_move else 1):
         # the log is appended to across restarts: this start's lines are those after `written`
         written = log.stat().st_size if log.exists() else 0
         proc = start(port)
-        if _serving(proc, port, log, timeout_s, written):
+        if _serving(proc, f"{base}:{port}", port, log, timeout_s, written, verify):
             return proc, port
         taken, port = port, free_port()
     raise RuntimeError(f"port {taken} is taken: {log_tail(log)}")
 
 
-def _serving(proc: subprocess.Popen[bytes], port: int, log: Path, timeout_s: float, written: int) -> bool:
-    """True once `proc` listens on `port` and answers healthz; False if it exited because the port was taken
+def _serving(
+    proc: subprocess.Popen[bytes],
+    url: str,
+    port: int,
+    log: Path,
+    timeout_s: float,
+    written: int,
+    verify: ssl.SSLContext | bool,
+) -> bool:
+    """True once `proc` listens on `port` and answers healthz at `url`; False if it exited because the port was taken
     (as its own lines in `log`, from offset `written`, say); raises if it exited for any other reason or never
     came up."""
     deadline = time.monotonic() + timeout_s
@@ -137,7 +150,7 @@ def _serving(proc: subprocess.Popen[bytes], port: int, log: Path, timeout_s: flo
                     return False
             raise RuntimeError(f"controller exited: {log_tail(log)}")
         with contextlib.suppress(httpx.HTTPError, psutil.Error):
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200 and any(
+            if httpx.get(f"{url}/healthz", timeout=1, verify=verify).status_code == 200 and any(
                 c.status == psutil.CONN_LISTEN and c.laddr.port == port
                 for c in psutil.Process(proc.pid).net_connections("tcp")
             ):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -54,18 +55,25 @@ class Cluster:
             env["TURNOUT_TOKEN"] = self.token
         return env
 
+    def controller_argv(self, port: int) -> list[str]:
+        return [sys.executable, "-m", "turnout.cli", "controller", "--db", self.db, "--port", str(port),
+                "--home", str(self.tmp / "home"), "--heartbeat-s", str(self.heartbeat_s), *self.extra_args]  # fmt: skip
+
+    def healthz_at(self) -> tuple[str, ssl.SSLContext | bool]:
+        """The scheme and host the controller's healthz is asked at, and what verifies its certificate."""
+        return "http://127.0.0.1", True
+
     def start_controller(self) -> None:
         """Start the controller and wait until it serves; a first start moves to a fresh port if another
         process took the one picked (a restart keeps its port, which its workers know)."""
 
         def start(port: int) -> subprocess.Popen[bytes]:
-            self.port = port
-            argv = [sys.executable, "-m", "turnout.cli", "controller", "--db", self.db, "--port", str(port),
-                    "--home", str(self.tmp / "home"), "--heartbeat-s", str(self.heartbeat_s), *self.extra_args]  # fmt: skip
-            return self.procs.start(argv, self.env, self.tmp / "controller.log")
+            self.port = port  # before the environment is made: TURNOUT_URL names it
+            return self.procs.start(self.controller_argv(port), self.env, self.tmp / "controller.log")
 
+        base, verify = self.healthz_at()
         self.controller, self.port = start_serving(start, self.port, self.tmp / "controller.log",
-                                                   may_move=self.controller is None)  # fmt: skip
+                                                   may_move=self.controller is None, base=base, verify=verify)  # fmt: skip
         self.token = (self.tmp / "home" / "admin.token").read_text().strip()
 
     def kill_controller(self) -> None:

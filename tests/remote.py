@@ -18,9 +18,9 @@ import os
 import random
 import secrets
 import signal
+import ssl
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,26 +160,14 @@ class TlsCluster(Cluster):
         env["TURNOUT_CA_CERT"] = str(self.tls.ca)
         return env
 
-    def start_controller(self) -> None:
+    def controller_argv(self, port: int) -> list[str]:
         assert self.tls is not None
-        argv = [sys.executable, "-m", "turnout.cli", "controller", "--db", self.db, "--host", self.host,
-                "--port", str(self.port), "--home", str(self.tmp / "home"), "--heartbeat-s", str(self.heartbeat_s),
-                "--tls-cert", str(self.tls.cert), "--tls-key", str(self.tls.key), *self.extra_args]  # fmt: skip
-        self.controller = self.procs.start(argv, self.env, self.tmp / "controller.log")
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.controller.poll() is not None:
-                raise RuntimeError(f"controller exited: {(self.tmp / 'controller.log').read_text()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if (
-                    httpx.get(f"{self.url}/healthz", timeout=1, verify=tls_verify(self.tls.ca)).status_code
-                    == 200
-                ):
-                    break
-            time.sleep(0.05)
-        else:
-            raise RuntimeError("controller did not come up")
-        self.token = (self.tmp / "home" / "admin.token").read_text().strip()
+        return [*super().controller_argv(port), "--host", self.host,
+                "--tls-cert", str(self.tls.cert), "--tls-key", str(self.tls.key)]  # fmt: skip
+
+    def healthz_at(self) -> tuple[str, ssl.SSLContext | bool]:
+        assert self.tls is not None
+        return f"https://{self.host}", tls_verify(self.tls.ca)
 
     def api(self, method: str, path: str, **kwargs: object) -> httpx.Response:
         assert self.tls is not None
