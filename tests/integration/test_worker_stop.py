@@ -7,8 +7,12 @@ again at once, for another worker, instead of after three missed heartbeats.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
+from pathlib import Path
+
+import pytest
 
 from tests.conftest import Cluster
 from tests.integration.test_worker_reports import wait_for_state
@@ -42,3 +46,24 @@ def test_a_second_sigterm_stops_a_draining_workers_task_which_is_queued_again_fo
     assert moved["attempts"] == 2 and moved["worker"] == cluster.wait_for_worker("next")["id"], moved
     assert cluster.api("POST", f"/v1/tasks/{task['id']}/cancel").status_code == 200
     assert nxt.poll() is None
+
+
+def test_the_scratch_directory_a_sigkilled_worker_left_is_removed_by_the_next_worker_of_its_host(
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))  # the workers' temporary directory: this test's alone
+
+    def scratches() -> set[Path]:
+        return {p for p in temp.iterdir() if p.name.startswith("turnout-worker-")}
+
+    killed = cluster.start_worker(APP, name="killed")
+    (left,) = scratches()
+    os.killpg(killed.pid, signal.SIGKILL)  # no chance to remove its own
+    killed.wait(timeout=10)
+    assert left.exists()
+    cluster.start_worker(APP, name="next")
+    (own,) = scratches()
+    assert own != left and not left.exists()
+    assert cluster.result(cluster.submit("count", {"n": 1})["id"])["state"] == "succeeded"

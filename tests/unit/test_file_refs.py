@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import stat
+import subprocess
 from pathlib import Path
 
 import httpx
@@ -13,7 +14,8 @@ import pytest
 from turnout.errors import InvalidInput
 from turnout.files import refs_in, set_field, with_paths
 from turnout.worker.app import Context
-from turnout.worker.files import TaskFileError, WorkerFiles, _with_files
+from turnout.worker.containment import worker_tag
+from turnout.worker.files import TaskFileError, WorkerFiles, _with_files, own_scratch, stale_scratch
 
 A, B = "f_000000000001aaaaaaaaaaaaaaaa", "f_000000000002bbbbbbbbbbbbbbbb"
 
@@ -94,3 +96,32 @@ def test_a_python_tasks_output_directory_is_made_only_when_its_handler_uses_it_a
             assert not writer.output_dir.exists()
 
     asyncio.run(scenario())
+
+
+def test_a_workers_scratch_is_named_by_its_tag_and_those_of_gone_workers_are_removed_first(
+    tmp_path: Path,
+) -> None:
+    gone = subprocess.Popen(["sleep", "30"])
+    gone_tag = worker_tag(gone.pid)  # read while it runs: its pid and start ticks
+    gone.kill()
+    gone.wait()
+    dead = tmp_path / f"turnout-worker-{gone_tag}-abc123"
+    (dead / "t_1-1").mkdir(parents=True)
+    (dead / "t_1-1" / "input.bin").write_text("a task's data")
+    alive = tmp_path / f"turnout-worker-{worker_tag()}-xyz789"  # another worker in this very process
+    alive.mkdir()
+    older = tmp_path / "turnout-worker-0vwu91ss"  # an older version's random name: not ours to judge
+    older.mkdir()
+    elsewhere = tmp_path / "kept"
+    elsewhere.mkdir()
+    (elsewhere / "precious").write_text("x")
+    link = tmp_path / f"turnout-worker-{gone_tag}-link00"  # a link is never followed
+    link.symlink_to(elsewhere)
+
+    own = own_scratch(tmp_path)
+
+    assert not dead.exists()
+    assert alive.exists() and older.exists() and link.is_symlink() and (elsewhere / "precious").exists()
+    assert own.parent == tmp_path and own.name.startswith(f"turnout-worker-{worker_tag()}-")
+    assert stat.S_IMODE(own.stat().st_mode) == 0o700
+    assert stale_scratch(tmp_path) == []  # what is left is all alive or not ours

@@ -25,6 +25,7 @@ import queue
 import random
 import secrets
 import shutil
+import stat
 import tempfile
 import threading
 from collections.abc import Callable
@@ -37,6 +38,7 @@ import httpx
 from turnout.blobs import FILE_ID, Blobs, fsync_dir, new_file_id
 from turnout.errors import Conflict, NotFound, PayloadTooLarge, TurnoutError
 from turnout.files import FileCorrupt, download, file_ref, refs_in, upload, walk_files
+from turnout.worker.containment import owner_alive, worker_tag
 
 log = logging.getLogger("turnout.worker")
 TRANSFER_PATIENCE_S = 300.0  # how long a transfer keeps retrying while the controller cannot be reached
@@ -50,6 +52,37 @@ class TaskFileError(Exception):
     def __init__(self, error: dict[str, Any]) -> None:
         super().__init__(error["message"])
         self.error = error
+
+
+SCRATCH_PREFIX = "turnout-worker-"
+
+
+def own_scratch(base: Path | None = None) -> Path:
+    """A fresh 0700 scratch directory in `base` (the temporary directory) named by this worker's tag, made
+    after removing those whose workers are gone: a SIGKILLed worker cannot remove its own, and its tasks'
+    files would stay on the disk, one directory per kill. Workers of another PID namespace must not share
+    `base`, as for the stale cgroups (`containment.sweep_stale`)."""
+    base = Path(tempfile.gettempdir()) if base is None else base
+    for stale in stale_scratch(base):
+        shutil.rmtree(stale, ignore_errors=True)
+        log.info("removed %s, the scratch directory of a worker that is gone", stale)
+    return Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{worker_tag()}-", dir=base))
+
+
+def stale_scratch(base: Path) -> list[Path]:
+    """The scratch directories in `base` of this user's workers on this host that are gone. One named otherwise
+    (an older version's, another program's), a link, or another user's is not this worker's to judge, and stays."""
+    found = []
+    with contextlib.suppress(OSError):
+        for path in base.iterdir():
+            if not path.name.startswith(SCRATCH_PREFIX):
+                continue
+            with contextlib.suppress(OSError):
+                info = path.lstat()  # a link is never followed, and only this user's directories are judged
+                tag = path.name[len(SCRATCH_PREFIX) :].rpartition("-")[0]
+                if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and owner_alive(tag) is False:
+                    found.append(path)
+    return sorted(found)
 
 
 @dataclass
@@ -75,9 +108,7 @@ class WorkerFiles:
         self.worker_id: str | None = None  # set once registered: transfers go to this worker's own routes
         self.shared = Blobs(storage) if storage is not None else None
         self._own_scratch = scratch is None
-        self.scratch = (
-            Path(scratch) if scratch is not None else Path(tempfile.mkdtemp(prefix="turnout-worker-"))
-        )
+        self.scratch = Path(scratch) if scratch is not None else own_scratch()
         self.scratch.mkdir(parents=True, exist_ok=True)
         if self.shared is not None:
             self.shared.ensure()
