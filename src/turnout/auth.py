@@ -176,9 +176,13 @@ def write_admin_token(home: Path, token: str) -> Path:
     home.mkdir(parents=True, exist_ok=True)
     path = home / "admin.token"
     part = home / f"admin.token.{os.getpid()}.part"
-    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(token + "\n")
-    os.chmod(part, 0o600)  # O_CREAT's mode applies only to a new file
-    os.replace(part, path)
+    try:
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(token + "\n")
+        os.chmod(part, 0o600)  # O_CREAT's mode applies only to a new file
+        os.replace(part, path)
+    except BaseException:
+        part.unlink(missing_ok=True)  # a full disk leaves no half-written part behind
+        raise
     return path
