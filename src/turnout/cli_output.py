@@ -31,6 +31,8 @@ BATCH = 1000  # the API's most tasks per batch submit
 
 def fix_for(exc: TurnoutError) -> str:
     """The one thing to try next for an error the CLI shows."""
+    if exc.field == "db":
+        return "restore a damaged SQLite file from a backup, or point --db at a database that runs and this host reaches"
     if isinstance(exc, Unavailable):
         if "cannot reach" in exc.message:
             return "start it with `turnout up` (or `turnout controller`), or point TURNOUT_URL at it"

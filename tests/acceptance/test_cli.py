@@ -83,3 +83,18 @@ def test_no_auth_is_refused_off_loopback(tmp_path: Path) -> None:
               "--db", f"sqlite:///{tmp_path / 'x.db'}")  # fmt: skip
     assert out.returncode == 2
     assert "loopback" in out.stderr
+
+
+def test_a_database_that_cannot_be_opened_is_named_in_one_line(tmp_path: Path) -> None:
+    damaged = tmp_path / "turnout.db"
+    damaged.write_bytes(b"SQLite format 3\x00" + bytes(4080))  # a header, then nothing a database holds
+    before = damaged.read_bytes()
+    down = f"postgresql://turnout:hunter2@127.0.0.1:{free_port()}/turnout"  # nothing listens there
+    for url, says in ((f"sqlite:///{damaged}", f"cannot open sqlite:///{damaged} as a SQLite database"),
+                      (down, "cannot open the database at postgresql+psycopg://turnout:***@127.0.0.1")):  # fmt: skip
+        out = run("controller", "--db", url, "--port", str(free_port()), "--home", str(tmp_path / "home"))
+        assert out.returncode == 2, out.stderr
+        assert says in out.stderr and "restore a damaged SQLite file" in out.stderr, out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1 and "unexpected" not in out.stderr
+        assert "hunter2" not in out.stderr and "Traceback" not in out.stderr
+    assert damaged.read_bytes() == before  # not "repaired" into an empty database

@@ -24,7 +24,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-from turnout.errors import IdempotencyConflict, InvalidInput
+from turnout.errors import IdempotencyConflict, InvalidInput, TurnoutError, Unavailable
 from turnout.gpu.allocation import GpuGrant
 from turnout.models import (
     Allocation,
@@ -83,6 +83,18 @@ def private_sqlite_file(path: Path) -> None:
                 name.chmod(0o600)
 
 
+def unopenable(url: str, exc: BaseException) -> TurnoutError:
+    """What to tell the operator whose `--db` names a database that cannot be opened: which one (no password),
+    the driver's reason, in one line. A SQLite file that is not a database (damaged, or another file) is the
+    operator's input; a server that does not answer may be back in a moment."""
+    cause = exc.orig if isinstance(exc, sa.exc.DBAPIError) and exc.orig is not None else exc
+    reason = " ".join(str(cause).split()) or type(cause).__name__
+    where = sa.engine.make_url(url).render_as_string(hide_password=True)
+    if url.startswith("sqlite"):
+        return InvalidInput(f"db: cannot open {where} as a SQLite database ({reason})", field="db")
+    return Unavailable(f"db: cannot open the database at {where} ({reason})", field="db")
+
+
 # Driver errors that mean the database itself failed (full, I/O error, gone, locked past the busy timeout),
 # as opposed to a statement the database refused (a constraint): a transaction they hit may be gone whole.
 _STORAGE_ERRORS: tuple[type[BaseException], ...] = (
@@ -129,7 +141,11 @@ class SqlStore:
         else:
             self.engine = sa.create_engine(url, pool_size=8, max_overflow=8, pool_pre_ping=True)
         self._local = threading.local()
-        self.schema_version = migrate(self.engine)
+        try:
+            self.schema_version = migrate(self.engine)
+        except (sa.exc.DBAPIError, sqlite3.DatabaseError) as exc:
+            self.engine.dispose()
+            raise unopenable(url, exc) from None
 
     def close(self) -> None:
         self.engine.dispose()
