@@ -120,9 +120,10 @@ def up(
     verbose: bool = typer.Option(False, "-v", "--verbose"),
 ) -> None:
     """Controller on embedded SQLite plus one local worker, at http://127.0.0.1:8750."""
-    from turnout.runtime import build_controller, default_db, serve, wait_healthy
+    from turnout.runtime import build_controller, default_db, listen, serve, wait_healthy
 
     _logging(verbose, log_format)
+    sock = listen(host, port)
     state = _home(home)
     if config is None and not app_ref:  # the demo app's prices and classify pipeline (src/turnout/demo.yaml)
         from turnout.demo import CONFIG as config
@@ -155,7 +156,7 @@ def up(
 
     threading.Thread(target=start_worker, daemon=True).start()
     try:
-        serve(parts.service, host=host, port=port)
+        serve(parts.service, sock)
     finally:
         if "p" in worker:
             worker["p"].send_signal(signal.SIGTERM)
@@ -188,11 +189,12 @@ def controller(
     verbose: bool = typer.Option(False, "-v", "--verbose"),
 ) -> None:
     """The controller only (state in SQLite or PostgreSQL)."""
-    from turnout.runtime import build_controller, default_db, serve
+    from turnout.runtime import build_controller, default_db, listen, serve
 
     _logging(verbose, log_format)
     if bool(tls_cert) != bool(tls_key):
         raise InvalidInput("--tls-cert and --tls-key go together", field="tls-cert")
+    sock = listen(host, port)
     state = _home(home)
     parts = build_controller(db=db or default_db(state), home=state, config=config, auth=not no_auth, host=host,
                              heartbeat_s=heartbeat_s, limit_flags=parse_limit_flags(request_limit),
@@ -201,7 +203,7 @@ def controller(
         out.print(f"admin token: {parts.admin_token}  (saved to {state / 'admin.token'})")
     scheme = "https" if tls_cert else "http"
     out.print(f"Turnout controller at {scheme}://{host}:{port}")
-    serve(parts.service, host=host, port=port, tls_cert=tls_cert, tls_key=tls_key)
+    serve(parts.service, sock, tls_cert=tls_cert, tls_key=tls_key)
 
 
 @app.command()

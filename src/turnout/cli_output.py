@@ -31,6 +31,8 @@ BATCH = 1000  # the API's most tasks per batch submit
 
 def fix_for(exc: TurnoutError) -> str:
     """The one thing to try next for an error the CLI shows."""
+    if exc.field == "port":
+        return "choose another --port, or stop what listens there"
     if exc.field == "db":
         return "restore a damaged SQLite file from a backup, or point --db at a database that runs and this host reaches"
     if isinstance(exc, Unavailable):

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
@@ -112,16 +114,32 @@ def _admin_token(store: object, tokens: TokenBook, home: Path, fresh: bool) -> s
     return None
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """The controller's socket, bound before its database is opened or anything printed: a port another
+    process holds is one line naming it, not a controller that says where it serves and then exits."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a restart reuses its port
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        reason = "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+        raise InvalidInput(f"port: cannot listen on {host}:{port}: {reason}", field="port") from None
+    return sock
+
+
 def serve(
-    service: Service, *, host: str, port: int, tls_cert: Path | None = None, tls_key: Path | None = None
+    service: Service, sock: socket.socket, *, tls_cert: Path | None = None, tls_key: Path | None = None
 ) -> None:
-    """Run the API until SIGINT/SIGTERM."""
+    """Run the API on `sock` (`listen`) until SIGINT/SIGTERM."""
     import uvicorn
 
     from turnout.api.app import create_app
 
     app = create_app(service)
     # log_config=None: uvicorn's own lines go through the root handler, in the format --log-format chose
+    host, port = sock.getsockname()[:2]
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, log_config=None,
                             ssl_certfile=str(tls_cert) if tls_cert else None,
                             ssl_keyfile=str(tls_key) if tls_key else None, timeout_graceful_shutdown=3)  # fmt: skip
@@ -133,7 +151,7 @@ def serve(
             service.begin_shutdown()
             super().handle_exit(sig, frame)
 
-    Server(config).run()
+    Server(config).run(sockets=[sock])
 
 
 def private_dir(path: Path) -> None:

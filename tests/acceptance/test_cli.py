@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -98,3 +99,19 @@ def test_a_database_that_cannot_be_opened_is_named_in_one_line(tmp_path: Path) -
         assert len(out.stderr.strip().splitlines()) == 1 and "unexpected" not in out.stderr
         assert "hunter2" not in out.stderr and "Traceback" not in out.stderr
     assert damaged.read_bytes() == before  # not "repaired" into an empty database
+
+
+def test_a_port_another_process_holds_is_one_line_before_anything_is_made(tmp_path: Path) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        out = run("controller", "--port", str(port), "--home", str(tmp_path / "home"),
+                  "--db", f"sqlite:///{tmp_path / 'home' / 'turnout.db'}")  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert f"port: cannot listen on 127.0.0.1:{port}: address already in use" in out.stderr
+    assert "choose another --port" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert "Turnout controller at" not in out.stdout  # it never said it serves
+    assert not (
+        tmp_path / "home"
+    ).exists()  # no database, no admin token made for a controller that never ran
