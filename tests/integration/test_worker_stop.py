@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -67,3 +68,25 @@ def test_the_scratch_directory_a_sigkilled_worker_left_is_removed_by_the_next_wo
     (own,) = scratches()
     assert own != left and not left.exists()
     assert cluster.result(cluster.submit("count", {"n": 1})["id"])["state"] == "succeeded"
+
+
+def test_a_worker_whose_controller_never_answered_stops_at_once_on_sigterm(tmp_path: Path) -> None:
+    from tests.conftest import REPO, Processes, free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNOUT_")}
+    env.update(TMPDIR=str(tmp_path), TURNOUT_TOKEN="tnt_none", PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO}")
+    procs = Processes()
+    log = tmp_path / "worker.log"
+    try:
+        worker = procs.start([sys.executable, "-m", "turnout.cli", "worker", APP, "--gpus", "none",
+                              "--controller", f"http://127.0.0.1:{free_port()}"], env, log)  # fmt: skip
+        deadline = time.monotonic() + 30
+        while "controller not reachable" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert worker.poll() is None, log.read_text()
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=10) == 0, log.read_text()  # it waited for the controller forever before
+    finally:
+        procs.stop_all()
+    assert "Traceback" not in log.read_text()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("turnout-worker-")]  # its scratch went too

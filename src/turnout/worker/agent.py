@@ -159,8 +159,20 @@ class Agent:
     # ---- lifecycle -----------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event, stop_now: asyncio.Event | None = None) -> None:
-        """Serve until `stop`, then drain: running tasks get `drain_grace_s` to finish, or until `stop_now`."""
-        await self.register()
+        """Serve until `stop`, then drain: running tasks get `drain_grace_s` to finish, or until `stop_now`.
+        A stop while the controller has never answered (it is down, or the URL is wrong) ends the retries:
+        there is nothing to drain, and a SIGTERM must not wait for a controller that may never come."""
+        registering = asyncio.ensure_future(self.register())
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({registering, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not registering.done():
+            registering.cancel()
+            await asyncio.gather(registering, return_exceptions=True)
+            log.info("stopped before the controller at %s answered", self.settings.controller_url)
+            await self.shutdown([], stop_now)
+            return
+        registering.result()  # a refusal (a bad token) ends the worker with its message
         loops = [asyncio.create_task(c) for c in (self._heartbeat_loop(), self._lease_loop(), self._send_completions(),
                                                    self._send_events(), self._reap_idle_loop(),
                                                    self._lifeline_loop())]  # fmt: skip
