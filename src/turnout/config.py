@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -212,12 +213,17 @@ def controller_settings(
         )
     recheck = raw.get("long_poll_recheck_s", 1.0)
     if isinstance(recheck, bool) or not isinstance(recheck, int | float) or not 0.05 <= recheck <= 300:
-        raise InvalidInput(f"long_poll_recheck_s: expected seconds in 0.05..300, got {recheck!r}",
+        raise InvalidInput(f"{where}long_poll_recheck_s: expected seconds in 0.05..300, got {recheck!r}",
                            field="long_poll_recheck_s")  # fmt: skip
     retention = raw.get("file_retention_s", ControllerSettings.file_retention_s)
-    if isinstance(retention, bool) or not isinstance(retention, int | float) or retention < 0:
-        raise InvalidInput(f"file_retention_s: expected seconds >= 0 (0: kept for ever), got {retention!r}",
+    if isinstance(retention, bool) or not isinstance(retention, int | float) or not 0 <= retention < math.inf:
+        raise InvalidInput(f"{where}file_retention_s: expected seconds >= 0 (0: kept for ever), got {retention!r}",
                            field="file_retention_s")  # fmt: skip
+    beat = overrides.get("heartbeat_s", ControllerSettings.heartbeat_s)
+    if isinstance(beat, bool) or not isinstance(beat, int | float) or not 0 < beat < math.inf:
+        raise InvalidInput(
+            f"--heartbeat-s: {beat!r} is not a positive number of seconds", field="heartbeat_s"
+        )
     overrides.setdefault(
         "tenant_limits", parse_limits(raw.get("limits"), str(config_path) if config_path else None)
     )

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import Cluster, free_port
 
 
@@ -115,3 +117,32 @@ def test_a_port_another_process_holds_is_one_line_before_anything_is_made(tmp_pa
     assert not (
         tmp_path / "home"
     ).exists()  # no database, no admin token made for a controller that never ran
+
+
+@pytest.mark.parametrize(
+    ("command", "says"),
+    [
+        (["worker", "tests.apps.testapp:app", "--cpus", "nan"], "--cpus: nan is not a positive number"),
+        (["worker", "tests.apps.testapp:app", "--cpus", "1e400"], "--cpus: inf is not a positive number"),
+        (["worker", "tests.apps.testapp:app", "--cpus", "-1"], "--cpus: -1.0 is not a positive number"),
+        (["worker", "tests.apps.testapp:app", "--heartbeat-s", "0"], "--heartbeat-s: 0.0 is not a positive"),
+        (["controller", "--heartbeat-s", "nan"], "--heartbeat-s: nan is not a positive number of seconds"),
+        (["controller", "--config", "{config}"], "turnout.yaml: file_retention_s: expected seconds >= 0"),
+    ],
+)
+def test_numbers_no_worker_or_controller_could_run_with_are_refused_naming_the_option(
+    tmp_path: Path, command: list[str], says: str
+) -> None:
+    config = tmp_path / "turnout.yaml"
+    config.write_text("file_retention_s: .nan\n")  # YAML's NaN
+    args = [a.replace("{config}", str(config)) for a in command]
+    port = ["--port", str(free_port()), "--db", "memory://", "--home", str(tmp_path / "home")]
+    extra = (
+        port
+        if args[0] == "controller"
+        else ["--controller", f"http://127.0.0.1:{free_port()}", "--gpus", "none"]
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}  # tests.apps
+    out = run(*args, *extra, env=env)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert says in out.stderr and "unexpected" not in out.stderr and "Traceback" not in out.stderr

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import random
 import socket
@@ -29,6 +30,7 @@ from typing import Any, Literal
 import httpx
 import psutil
 
+from turnout.errors import InvalidInput
 from turnout.gpu.allocation import GpuRequest, fits_ever
 from turnout.gpu.devices import GpuDevice, units_of
 from turnout.gpu.provider import Discovery, discover
@@ -75,6 +77,22 @@ class AgentSettings:
     storage: Path | None = None  # the controller's file storage, mounted here: files move without HTTP
     lease_wait_s: float = 20.0  # how long one lease request waits for work at the controller
     channel: bool = True  # leases and reports over the controller's WebSocket channel where it offers one
+
+    def __post_init__(self) -> None:
+        """Refuse what no worker could run with (a NaN or negative core count, a heartbeat of 0 s), naming the
+        option, before anything starts: such values used to reach the registration or spin a loop."""
+        positive = {"cpus": self.cpus, "memory": self.memory_bytes, "heartbeat-s": self.heartbeat_s,
+                    "canary-backoff-s": self.canary_backoff_s, "lease-wait-s": self.lease_wait_s}  # fmt: skip
+        for name, value in positive.items():
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise InvalidInput(
+                    f"--{name}: {value!r} is not a positive number", field=name.replace("-", "_")
+                )
+        if not (math.isfinite(self.drain_grace_s) and self.drain_grace_s >= 0):
+            raise InvalidInput(f"drain_grace_s: {self.drain_grace_s!r} is not a number of seconds >= 0",
+                               field="drain_grace_s")  # fmt: skip
+        if self.max_lease < 1:
+            raise InvalidInput(f"max_lease: {self.max_lease!r} is not 1 or more", field="max_lease")
 
 
 def jittered(delay_s: float) -> float:
