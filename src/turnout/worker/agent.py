@@ -81,13 +81,12 @@ class AgentSettings:
     def __post_init__(self) -> None:
         """Refuse what no worker could run with (a NaN or negative core count, a heartbeat of 0 s), naming the
         option, before anything starts: such values used to reach the registration or spin a loop."""
-        positive = {"cpus": self.cpus, "memory": self.memory_bytes, "heartbeat-s": self.heartbeat_s,
-                    "canary-backoff-s": self.canary_backoff_s, "lease-wait-s": self.lease_wait_s}  # fmt: skip
+        positive = {"cpus": self.cpus, "memory_bytes": self.memory_bytes, "heartbeat_s": self.heartbeat_s,
+                    "canary_backoff_s": self.canary_backoff_s, "lease_wait_s": self.lease_wait_s}  # fmt: skip
+        flags = {"cpus": "--cpus", "heartbeat_s": "--heartbeat-s", "canary_backoff_s": "--canary-backoff-s"}
         for name, value in positive.items():
             if value is not None and not (math.isfinite(value) and value > 0):
-                raise InvalidInput(
-                    f"--{name}: {value!r} is not a positive number", field=name.replace("-", "_")
-                )
+                raise InvalidInput(f"{flags.get(name, name)}: {value!r} is not a positive number", field=name)
         if not (math.isfinite(self.drain_grace_s) and self.drain_grace_s >= 0):
             raise InvalidInput(f"drain_grace_s: {self.drain_grace_s!r} is not a number of seconds >= 0",
                                field="drain_grace_s")  # fmt: skip
