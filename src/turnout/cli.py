@@ -19,7 +19,7 @@ from rich.table import Table
 
 from turnout.cli_files import file_app, file_flag, with_file
 from turnout.config import DEFAULT_PORT, parse_limit_flags
-from turnout.errors import InvalidInput, TurnoutError
+from turnout.errors import InvalidInput, TurnoutError, read_user_file
 
 app = typer.Typer(
     add_completion=False,
@@ -382,10 +382,7 @@ def _submit_many(capability: str, path: Path, options: dict[str, Any], wait: boo
     if str(path) == "-":
         lines = sys.stdin.read().splitlines()
     else:
-        try:
-            lines = path.read_text().splitlines()
-        except OSError as exc:
-            raise InvalidInput(f"--inputs: cannot read {path} ({exc.strerror})", field="inputs") from None
+        lines = read_user_file(path, "--inputs").splitlines()
     specs = [{"capability": capability, "input": data, **options} for data in read_inputs(lines, str(path))]
     if not specs:
         raise InvalidInput(f"--inputs: {path} holds no inputs (one JSON value per line)", field="inputs")

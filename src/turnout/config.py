@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from turnout.errors import InvalidInput
+from turnout.errors import InvalidInput, read_user_file
 from turnout.resources import parse_bytes
 from turnout.tenancy import LimitsTable, parse_limits
 
@@ -144,10 +144,9 @@ def load_config_file(path: Path | None) -> dict[str, Any]:
     """The `--config` YAML as a mapping; errors name the file."""
     if path is None:
         return {}
+    text = read_user_file(path, "--config")
     try:
-        data = yaml.safe_load(Path(path).read_text())
-    except FileNotFoundError:
-        raise InvalidInput(f"{path}: no such config file", field="config") from None
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise InvalidInput(f"{path}: not valid YAML: {exc}", field="config") from None
     if data is None:

@@ -18,6 +18,7 @@ The API maps classes to status codes in one table (`api/errors.py`); nothing els
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 
@@ -113,6 +114,20 @@ class StorageUnavailable(Unavailable):
     def __init__(self, message: str, *, retry_after_s: float = 5.0, field: str | None = None) -> None:
         super().__init__(message, field=field)
         self.retry_after_s = retry_after_s
+
+
+def read_user_file(path: Path, flag: str) -> str:
+    """The text of a file the user named with `flag` (`--config`, `--presets`, ...). A missing, unreadable or
+    non-UTF-8 file is an InvalidInput naming the flag and the file, never a traceback."""
+    field = flag.lstrip("-")
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InvalidInput(f"{flag}: cannot read {path} ({exc.strerror or exc})", field=field) from None
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(
+            f"{flag}: {path} is not UTF-8 text ({exc.reason} at byte {exc.start})", field=field
+        ) from None
 
 
 # The one table from error classes to HTTP status codes: the API renders with it, the client reads it back.

@@ -16,6 +16,7 @@ is a whole number of bytes); only ratios matter for the result.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import random
 from collections.abc import Sequence
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from turnout.errors import InvalidInput
+from turnout.errors import InvalidInput, read_user_file
 from turnout.gpu.allocation import GpuRequest, add_grant
 from turnout.gpu.devices import GpuUnit
 from turnout.gpu.policies import Fragments, Host, PlacementIndex, make_policy, typical_mix
@@ -113,22 +114,18 @@ def _int(row: dict[str, str], col: str, where: str) -> int:
         ) from None
 
 
-def _rows(path: Path, required: Sequence[str]) -> list[tuple[str, dict[str, str]]]:
+def _rows(path: Path, required: Sequence[str], flag: str) -> list[tuple[str, dict[str, str]]]:
     """(position "file:line", row) for each data row; a missing file or column is InvalidInput naming it."""
-    try:
-        with path.open(newline="") as f:
-            reader = csv.DictReader(f)
-            missing = [c for c in required if c not in (reader.fieldnames or [])]
-            if missing:
-                raise InvalidInput(f"{path}:1: missing column(s) {', '.join(missing)}", field=str(path))
-            return [(f"{path}:{reader.line_num}", row) for row in reader]
-    except OSError as exc:
-        raise InvalidInput(f"{path}: cannot read ({exc.strerror})", field=str(path)) from None
+    reader = csv.DictReader(io.StringIO(read_user_file(path, flag), newline=""))
+    missing = [c for c in required if c not in (reader.fieldnames or [])]
+    if missing:
+        raise InvalidInput(f"{path}:1: missing column(s) {', '.join(missing)}", field=str(path))
+    return [(f"{path}:{reader.line_num}", row) for row in reader]
 
 
 def load_nodes(path: Path) -> list[TraceNode]:
     nodes = []
-    for where, row in _rows(path, ("sn", "cpu_milli", "memory_mib", "gpu", "model")):
+    for where, row in _rows(path, ("sn", "cpu_milli", "memory_mib", "gpu", "model"), "--nodes"):
         node = TraceNode(
             row["sn"],
             _int(row, "cpu_milli", where),
@@ -146,7 +143,7 @@ def load_nodes(path: Path) -> list[TraceNode]:
 
 def load_tasks(path: Path) -> list[TraceTask]:
     tasks = []
-    for where, row in _rows(path, ("name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli")):
+    for where, row in _rows(path, ("name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli"), "--tasks"):
         num, milli = _int(row, "num_gpu", where), _int(row, "gpu_milli", where)
         if num < 0 or milli < 0:
             raise InvalidInput(f"{where}: num_gpu and gpu_milli must be >= 0", field="num_gpu")

@@ -146,3 +146,34 @@ def test_numbers_no_worker_or_controller_could_run_with_are_refused_naming_the_o
     out = run(*args, *extra, env=env)
     assert out.returncode == 2, out.stdout + out.stderr
     assert says in out.stderr and "unexpected" not in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["controller", "--config", "{file}", "--db", "memory://", "--port", "{port}"],
+        ["worker", "--presets", "{file}", "--gpus", "none", "--controller", "http://127.0.0.1:{port}"],
+        ["simulate", "--nodes", "{file}", "--tasks", "{file}"],
+        ["submit", "echo", "--inputs", "{file}"],
+    ],
+)
+@pytest.mark.parametrize("kind", ["binary", "directory"])
+def test_a_file_that_is_not_text_or_not_a_file_is_named_with_its_flag(
+    tmp_path: Path, command: list[str], kind: str
+) -> None:
+    named = tmp_path / "named"
+    if kind == "binary":
+        named.write_bytes(b"\xff\xfe\x00garbage")  # UTF-16's mark: no UTF-8 text
+    else:
+        named.mkdir()
+    args = [a.replace("{file}", str(named)).replace("{port}", str(free_port())) for a in command]
+    env = {
+        **os.environ,
+        "TURNOUT_HOME": str(tmp_path / "home"),
+        "TURNOUT_URL": f"http://127.0.0.1:{free_port()}",
+    }
+    out = run(*args, env=env)
+    flag = next(a for a in command if a.startswith("--") and "{file}" in command[command.index(a) + 1])
+    says = f"{flag}: {named} is not UTF-8 text" if kind == "binary" else f"{flag}: cannot read {named}"
+    assert out.returncode == 2 and says in out.stderr, out.stderr
+    assert "unexpected" not in out.stderr and "Traceback" not in out.stderr

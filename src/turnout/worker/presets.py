@@ -36,7 +36,7 @@ from typing import Any
 
 import yaml
 
-from turnout.errors import InvalidInput
+from turnout.errors import InvalidInput, read_user_file
 from turnout.files import with_paths
 from turnout.models import Device, Variant, check_capability_name
 from turnout.resources import parse_resources
@@ -81,12 +81,9 @@ class Preset:
 
 def load_presets(path: Path) -> list[Preset]:
     """Read and validate a presets file; every error is `InvalidInput` naming the key and the file."""
+    text = read_user_file(path, "--presets")
     try:
-        doc = yaml.safe_load(Path(path).read_text())
-    except OSError as exc:
-        raise InvalidInput(
-            f"presets file {path}: cannot read it ({exc.strerror or exc})", field="presets"
-        ) from None
+        doc = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise InvalidInput(f"presets file {path}: not valid YAML ({exc})", field="presets") from None
     try:
