@@ -284,6 +284,12 @@ def worker(
         raise InvalidInput("give at least one MODULE:APP or --presets FILE", field="apps")
     if isolation not in {i.value for i in Isolation}:
         raise InvalidInput(f"--isolation: {isolation!r} is not none or sandbox", field="isolation")
+    # the settings check their own numbers: a bad --cpus is refused before any app is imported
+    settings = AgentSettings(controller_url=controller_url or default_url(), token=token or default_token(),
+                             name=name or socket.gethostname(), gpus=gpus, strategy=strategy, cpus=cpus,
+                             heartbeat_s=heartbeat_s, canary_command=shlex.split(canary) if canary else None,
+                             canary_backoff_s=canary_backoff_s, scrub_command=scrub_command, ca_cert=ca_cert,
+                             storage=storage.expanduser() if storage else None, channel=channel)  # fmt: skip
     discovery = discover(gpus)
     from turnout.worker import containment as kernel
 
@@ -299,11 +305,6 @@ def worker(
         minors = {d.index: d.minor for d in discovery.devices if d.minor is not None}
         sandbox = SandboxOptions(Isolation(isolation), sandbox_dev_dir, gpu_minors=minors)
         runnables += preset_runnables(presets, base_env, models_dir=models_dir, sandbox=sandbox)
-    settings = AgentSettings(controller_url=controller_url or default_url(), token=token or default_token(),
-                             name=name or socket.gethostname(), gpus=gpus, strategy=strategy, cpus=cpus,
-                             heartbeat_s=heartbeat_s, canary_command=shlex.split(canary) if canary else None,
-                             canary_backoff_s=canary_backoff_s, scrub_command=scrub_command, ca_cert=ca_cert,
-                             storage=storage.expanduser() if storage else None, channel=channel)  # fmt: skip
     run_agent_until_signalled(Agent(settings, runnables, discovery))
 
 
