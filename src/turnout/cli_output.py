@@ -34,7 +34,7 @@ def fix_for(exc: TurnoutError) -> str:
     if exc.field == "port":
         return "choose another --port, or stop what listens there"
     if exc.field == "db":
-        return "restore a damaged SQLite file from a backup, or point --db at a database that runs and this host reaches"
+        return "--db takes sqlite:///PATH (restore a damaged file from a backup), postgresql://USER@HOST/DB of a server this host reaches, or memory://"
     if isinstance(exc, Unavailable):
         if "cannot reach" in exc.message:
             return "start it with `turnout up` (or `turnout controller`), or point TURNOUT_URL at it"

@@ -94,10 +94,12 @@ def test_a_database_that_cannot_be_opened_is_named_in_one_line(tmp_path: Path) -
     before = damaged.read_bytes()
     down = f"postgresql://turnout:hunter2@127.0.0.1:{free_port()}/turnout"  # nothing listens there
     for url, says in ((f"sqlite:///{damaged}", f"cannot open sqlite:///{damaged} as a SQLite database"),
-                      (down, "cannot open the database at postgresql+psycopg://turnout:***@127.0.0.1")):  # fmt: skip
+                      (down, "cannot open the database at postgresql+psycopg://turnout:***@127.0.0.1"),
+                      ("sqlite:///", "db: 'sqlite:///' names no file"),
+                      ("mysql://db/x", "db: 'mysql://db/x' is not a sqlite:///PATH")):  # fmt: skip
         out = run("controller", "--db", url, "--port", str(free_port()), "--home", str(tmp_path / "home"))
         assert out.returncode == 2, out.stderr
-        assert says in out.stderr and "restore a damaged SQLite file" in out.stderr, out.stderr
+        assert says in out.stderr and "restore a damaged file from a backup" in out.stderr, out.stderr
         assert len(out.stderr.strip().splitlines()) == 1 and "unexpected" not in out.stderr
         assert "hunter2" not in out.stderr and "Traceback" not in out.stderr
     assert damaged.read_bytes() == before  # not "repaired" into an empty database

@@ -63,6 +63,8 @@ def normalise_url(url: str) -> str:
 def open_store(url: str) -> SqlStore:
     url = normalise_url(url)
     if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
+        if not url[len("sqlite:///") :].strip():
+            raise InvalidInput(f"db: {url!r} names no file (sqlite:///PATH)", field="db")
         private_sqlite_file(Path(url[len("sqlite:///") :]).expanduser())
     return SqlStore(url)
 
