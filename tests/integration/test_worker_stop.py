@@ -7,12 +7,14 @@ again at once, for another worker, instead of after three missed heartbeats.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.conftest import Cluster
@@ -90,3 +92,23 @@ def test_a_worker_whose_controller_never_answered_stops_at_once_on_sigterm(tmp_p
         procs.stop_all()
     assert "Traceback" not in log.read_text()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("turnout-worker-")]  # its scratch went too
+
+
+def test_a_variant_whose_setup_fails_fails_each_task_with_the_reason_and_the_worker_serves_on(
+    cluster: Cluster,
+) -> None:
+    worker = cluster.start_worker("tests.apps.setup_app:app", name="setup")
+    failed = [cluster.result(cluster.submit("unloadable", {}, max_retries=0)["id"]) for _ in range(3)]
+    for task in failed:
+        assert task["state"] == "failed", task
+        assert task["error"]["type"] == "setup_failed"
+        assert "no weights at /models/absent.bin for cpu" in task["error"]["message"]
+    assert cluster.result(cluster.submit("fine", {})["id"])["state"] == "succeeded"  # the rest serves on
+    seen: set[int] = set()  # a pool restarting the failing setup on its own would show here, again and again
+    for _ in range(20):
+        for proc in psutil.Process(worker.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if "unloadable" in proc.cmdline():
+                    seen.add(proc.pid)
+        time.sleep(0.05)
+    assert not seen
