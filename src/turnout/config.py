@@ -139,6 +139,15 @@ class ControllerSettings:
     pipelines: Mapping[str, Pipeline] = field(default_factory=dict)
     escalation: EscalationSettings | None = None
 
+    def __post_init__(self) -> None:
+        """A heartbeat no worker could keep (0, negative, NaN) is refused wherever the settings are made, as the
+        worker's own settings refuse theirs (`AgentSettings`)."""
+        beat = self.heartbeat_s
+        if isinstance(beat, bool) or not isinstance(beat, int | float) or not 0 < beat < math.inf:
+            raise InvalidInput(
+                f"--heartbeat-s: {beat!r} is not a positive number of seconds", field="heartbeat_s"
+            )
+
 
 def load_config_file(path: Path | None) -> dict[str, Any]:
     """The `--config` YAML as a mapping; errors name the file."""
@@ -218,11 +227,6 @@ def controller_settings(
     if isinstance(retention, bool) or not isinstance(retention, int | float) or not 0 <= retention < math.inf:
         raise InvalidInput(f"{where}file_retention_s: expected seconds >= 0 (0: kept for ever), got {retention!r}",
                            field="file_retention_s")  # fmt: skip
-    beat = overrides.get("heartbeat_s", ControllerSettings.heartbeat_s)
-    if isinstance(beat, bool) or not isinstance(beat, int | float) or not 0 < beat < math.inf:
-        raise InvalidInput(
-            f"--heartbeat-s: {beat!r} is not a positive number of seconds", field="heartbeat_s"
-        )
     overrides.setdefault(
         "tenant_limits", parse_limits(raw.get("limits"), str(config_path) if config_path else None)
     )
