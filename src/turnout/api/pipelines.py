@@ -9,6 +9,7 @@ GET  /v1/pipelines                        what turnout.yaml configures
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -96,8 +97,10 @@ def router(service: Service, guards: Guards) -> PipelineRoutes:
         run_id = new_id("r_")
         with service.watch_tasks([run_id]) as ended:  # from before it exists: it may end before we look
             signal = service.tasks_changed.current()
-            _, task = await service.call(runs.start, p.home_tenant, name, body.input, gpu, run_id=run_id)
-            service.tasks_queued([task])
+            # an idle worker's parked poll may lease its first stage in the same commit
+            await service.submit(p.home_tenant,
+                                 functools.partial(runs.start, p.home_tenant, name, body.input, gpu, run_id=run_id),
+                                 [(first.capability, p.home_tenant)], queued=lambda started: [started[1]])  # fmt: skip
             if wait > 0:  # a run just started is running: nothing to read before it could have ended
                 await Signal.wait_any([ended, signal], min(wait, service.recheck_s))
             return await answer(p.scope, run_id, max(0.0, deadline - time.monotonic()), 201)

@@ -15,6 +15,7 @@ Every route but register proves the caller is the worker in the path: its regist
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -121,6 +122,17 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> WorkerRoutes:
         watching: list[str] = []  # leased to it since `running` was written: it may hold them unlisted
         mine = service.worker_signal(worker_id)
         since = body.since  # its last answer's epoch: unchanged, there is nothing new to look for yet
+
+        def look_now() -> Callable[[], LeaseResult]:
+            """This poll's look at the queue, as a call for the database thread: made by the poll itself, or
+            by a submission in its own commit while the poll is parked (`Service.submit`)."""
+            nonlocal watching, handed_upto
+            # what the worker got outside its polls since it wrote `running` (a little before it came)
+            handed, handed_upto = service.handed_since(worker_id, arrived - LISTED_BEFORE_S, handed_upto)
+            watching = list(dict.fromkeys([*watching, *handed]))
+            return functools.partial(ctrl.offer, worker_id, max_tasks=body.max_tasks, running=list(running),
+                                     tenant=me.tenant, listed_at=listed_at, watching=list(watching))  # fmt: skip
+
         with service.queue_poll(worker_id, me.tenant) as poll:
             while True:
                 queue, stops, capacity = (
@@ -131,19 +143,16 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> WorkerRoutes:
                 woken_for = poll.look(
                     service.polls_epoch
                 )  # new tasks it was woken for (`Service.tasks_queued`)
-                epoch = service.polls_epoch.token()  # what fires from now on, this look may not have seen
-                if since == epoch and not woken_for:
+                delivered = poll.take_delivery()  # a look a submission made for it in its commit
+                # what fires from now on, this look may not have seen
+                epoch = delivered.epoch if delivered is not None else service.polls_epoch.token()
+                if delivered is None and since == epoch and not woken_for:
                     result = LeaseResult(looked=True)  # what its last look found still holds: nothing more
                 else:
-                    # what the worker got outside its polls since it wrote `running` (a little before it came)
-                    handed, handed_upto = service.handed_since(
-                        worker_id, arrived - LISTED_BEFORE_S, handed_upto
-                    )
-                    watching = list(dict.fromkeys([*watching, *handed]))
                     with service.leasing(worker_id):
-                        result = await service.call(ctrl.offer, worker_id, max_tasks=body.max_tasks,
-                                                    running=running, tenant=me.tenant, listed_at=listed_at,
-                                                    watching=watching)  # fmt: skip
+                        result = await (
+                            delivered.answer if delivered is not None else service.call(look_now())
+                        )
                 since = None
                 if unseen := poll.looked(result, woken_for):
                     service.pass_on(unseen, poll)
@@ -165,8 +174,13 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> WorkerRoutes:
                 wake = [stops, capacity] if result.full else [poll.event, queue, capacity]
                 # a batch still filling is leased once full or its wait is over: ask again by then (retry_in_s)
                 with service.parked(worker_id, result):
-                    await Signal.wait_any([*wake, service.closing],
-                                          min(left, service.recheck_s, result.retry_in_s or service.recheck_s))  # fmt: skip
+                    # while it waits for new tasks, a submission may make its look for it (Service.submit)
+                    poll.ask = None if result.full else look_now
+                    try:
+                        await Signal.wait_any([*wake, service.closing],
+                                              min(left, service.recheck_s, result.retry_in_s or service.recheck_s))  # fmt: skip
+                    finally:
+                        poll.ask = None
 
     @api.post("/v1/workers/{worker_id}/complete", response_class=FastJSON)
     async def complete(worker_id: str, body: CompleteIn, me: WorkerCredential = this_worker()) -> FastJSON:

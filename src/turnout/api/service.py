@@ -75,6 +75,9 @@ class _Job(Generic[R]):
     future: asyncio.Future[R]
     result: Any = None
     error: BaseException | None = None
+    # calls that run right after this one, in the same group, each in its own savepoint: the looks of the
+    # lease polls a submission leases its new tasks to in its own commit (`Service.submit`)
+    then: list[_Job[Any]] = field(default_factory=list)
 
     def settle(self) -> None:
         if self.future.cancelled():
@@ -83,6 +86,18 @@ class _Job(Generic[R]):
             self.future.set_exception(self.error)
         else:
             self.future.set_result(self.result)
+
+
+def _unless_ended(poll: QueuePoll, look: Callable[[], LeaseResult]) -> LeaseResult:
+    """A poll's look that a submission runs for it, unless the poll's request ended before the database
+    thread came to it: its worker would never hear of what it leased (read across threads: a flag)."""
+    return LeaseResult() if poll.ended else look()
+
+
+def _seen(future: asyncio.Future[Any]) -> None:
+    """Mark a future's error as seen: a look whose poll went away meanwhile is nobody's to raise."""
+    if not future.cancelled():
+        future.exception()
 
 
 class _JobQueue:
@@ -209,6 +224,16 @@ class Signal:
                 w.cancel()
 
 
+@dataclass(frozen=True)
+class Delivery:
+    """A lease poll's look that a submission ran for it in the submission's own commit (`Service.submit`):
+    its answer, settled with the submission's, and the poll epoch's token as of before it ran (what fired
+    since, the look may not have seen)."""
+
+    answer: asyncio.Future[LeaseResult]
+    epoch: str
+
+
 @dataclass(eq=False)
 class QueuePoll:
     """A worker's lease poll, from its request to its answer, as the wake-ups for new tasks see it."""
@@ -224,6 +249,15 @@ class QueuePoll:
     # a flooding tenant's every new task would otherwise wake it, and each shared worker's poll in turn, to
     # find the same; freed room, a recheck, or another tenant's task wakes it instead
     barred: frozenset[str] = frozenset()
+    # while it is parked waiting for new tasks: its next look, as a call for the database thread, for a
+    # submission to run in its own commit (`Service.submit`); None otherwise
+    ask: Callable[[], Callable[[], LeaseResult]] | None = None
+    delivery: Delivery | None = None  # a look a submission ran for it, not taken yet
+    ended: bool = False  # its request is over (answered, or cancelled: its worker's connection closed)
+
+    def take_delivery(self) -> Delivery | None:
+        delivery, self.delivery = self.delivery, None
+        return delivery
 
     def may_take(self, capability: str, tenant: str) -> bool:
         return (
@@ -340,6 +374,56 @@ class Service:
         self._jobs.put(_Job(functools.partial(fn, *args, **kwargs), loop, future), self._lane(fn, args))
         return await future
 
+    async def submit(
+        self,
+        tenant: str,
+        fn: Callable[[], R],
+        new: Iterable[tuple[str, str]],
+        queued: Callable[[R], Sequence[Task]],
+    ) -> R:
+        """Run a submission `fn` of `tenant`, queuing tasks of these (capability, tenant), in the tenant's lane
+        as `call` does; and in the same group, right after it, the look of each lease poll parked here for new
+        tasks that `tasks_queued` would wake for them. A task an idle worker waits for is then leased in its
+        submission's commit: one fsync where there were two, and no hop from the commit to the wake-up to the
+        look. The tasks those looks left (`queued(result)`, less what they leased) wake other polls, not
+        theirs: they saw them. A look that fails is its poll's to raise, as its own look's would be."""
+        loop = asyncio.get_running_loop()
+        job: _Job[R] = _Job(fn, loop, loop.create_future())
+        epoch = self.polls_epoch.token()
+        parked = self._parked_for(new)
+        looking = [poll for poll, _ in parked]
+        for poll, ask in parked:
+            poll.ask = None  # one look per park
+            look: _Job[LeaseResult] = _Job(
+                functools.partial(_unless_ended, poll, ask()), loop, loop.create_future()
+            )
+            look.future.add_done_callback(_seen)
+            job.then.append(look)
+            poll.delivery = Delivery(look.future, epoch)
+            poll.event.set()
+        self._jobs.put(job, tenant)
+        result = await job.future
+        looks = [look.future for look in job.then]
+        if not all(f.done() for f in looks):  # settled right after the submission's: this is rare
+            await asyncio.wait(looks)
+        taken = {le.task.id for f in looks if not f.cancelled() and f.exception() is None
+                 for le in f.result().leases}  # fmt: skip
+        if rest := [t for t in queued(result) if t.id not in taken]:
+            self.tasks_queued(rest, seen_by=looking)
+        return result
+
+    def _parked_for(
+        self, new: Iterable[tuple[str, str]]
+    ) -> list[tuple[QueuePoll, Callable[[], Callable[[], LeaseResult]]]]:
+        """For n new tasks of one (capability, tenant), the n longest-parked polls waiting for new tasks that
+        could take them, as `tasks_queued` would wake them; each with its `ask`."""
+        chosen: dict[QueuePoll, Callable[[], Callable[[], LeaseResult]]] = {}
+        for (capability, tenant), n in Counter(new).items():
+            fits = ((p, p.ask) for p in self._polls
+                    if p.ask is not None and p not in chosen and p.may_take(capability, tenant))  # fmt: skip
+            chosen.update(itertools.islice(fits, n))
+        return list(chosen.items())
+
     def _lane(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> str | None:
         """The tenant whose submission this call is, or WORKER_LANE for any other call."""
         if (
@@ -350,7 +434,8 @@ class Service:
         return WORKER_LANE
 
     def _run_jobs(self) -> None:
-        while batch := self._jobs.take():
+        while taken := self._jobs.take():
+            batch = [job for lead in taken for job in (lead, *lead.then)]
             if not self._run_group(batch):
                 # Nothing of the group is on disk (SQLite may even have run later calls outside the
                 # transaction). Forget what was read inside it, and run every call again on its own.
@@ -565,20 +650,25 @@ class Service:
         try:
             yield poll
         finally:
+            poll.ended = True
             del self._polls[poll]
             if poll.woken_for:  # woken while it was answering (or giving up): it will not look, the next may
                 self._wake(poll.woken_for, poll)
 
-    def tasks_queued(self, tasks: Sequence[Task]) -> None:
+    def tasks_queued(self, tasks: Sequence[Task], seen_by: Sequence[QueuePoll] = ()) -> None:
         """Submissions queued these tasks: wake, for each, the longest-waiting lease poll that could take it,
         not all of them: with every poll woken by every task, every idle worker looked at the queue for each new
         task though only one could take it. A woken poll that leaves work queued, or could not look, wakes the
-        next (`pass_on`). Other replicas' polls all wake, as for any change to the queue."""
+        next (`pass_on`). Other replicas' polls all wake, as for any change to the queue. `seen_by`: polls that
+        looked after the tasks were queued (`submit`): as for a poll that looked since it was woken for them,
+        no wake-up for them comes to those, passed on or not."""
         self.polls_epoch.bump()
         publish = self._publisher("queue")
         if publish is not None:
             publish()
         count = self.polls_epoch.count
+        for poll in seen_by:
+            poll.looked_at = max(poll.looked_at, count)
         self._wake([(t.spec.capability, t.tenant, count) for t in tasks], None)
 
     def pass_on(self, woken_for: list[NewTasks], poll: QueuePoll) -> None:

@@ -29,7 +29,7 @@ from turnout.api.schemas import MAX_INT32, MAX_WAIT_S, FastJSON, TaskBatchIn, Ta
 from turnout.api.service import Service, Signal
 from turnout.api.strictjson import StrictJsonRoute
 from turnout.errors import InvalidInput
-from turnout.models import Task, TaskState
+from turnout.models import Task, TaskSpec, TaskState
 
 EVENTS_PER_READ = 5000
 
@@ -57,13 +57,17 @@ def router(service: Service, guards: Guards) -> TaskRoutes:
     limits = ctrl.settings.request_limits
     need = guards.need
 
+    async def submitted(tenant: str, specs: list[TaskSpec], **options: Any) -> list[Task]:
+        """Queue the tasks; an idle worker's parked poll may lease them in the same commit (`Service.submit`),
+        the others wake a poll that could take them."""
+        return await service.submit(tenant, functools.partial(ctrl.submit, tenant, specs, **options),
+                                    [(s.capability, tenant) for s in specs], queued=list)  # fmt: skip
+
     async def submit_answer(body: TaskIn, p: Principal) -> FastJSON:
         specs = [body.to_spec(limits)]
         # a 429 before the database: a flood costs the others nothing
         await service.admit(p.home_tenant, specs)
-        tasks = await service.call(ctrl.submit, p.home_tenant, specs,
-                                   waits_for_capacity=[body.waits_for_capacity])  # fmt: skip
-        service.tasks_queued(tasks)
+        tasks = await submitted(p.home_tenant, specs, waits_for_capacity=[body.waits_for_capacity])
         return FastJSON(task_out(tasks[0]), status_code=201)
 
     @api.post("/v1/tasks", status_code=201, response_class=FastJSON)
@@ -74,10 +78,8 @@ def router(service: Service, guards: Guards) -> TaskRoutes:
     async def submit_batch(body: TaskBatchIn, p: Principal = need(Action.SUBMIT)) -> FastJSON:
         specs = body.to_specs(limits)
         await service.admit(p.home_tenant, specs)
-        tasks = await service.call(ctrl.submit, p.home_tenant, specs,
-                                   prefixes=[f"tasks.{i}." for i in range(len(body.tasks))],
-                                   waits_for_capacity=[t.waits_for_capacity for t in body.tasks])  # fmt: skip
-        service.tasks_queued(tasks)
+        tasks = await submitted(p.home_tenant, specs, prefixes=[f"tasks.{i}." for i in range(len(body.tasks))],
+                                waits_for_capacity=[t.waits_for_capacity for t in body.tasks])  # fmt: skip
         return FastJSON({"tasks": [task_out(t) for t in tasks]}, status_code=201)
 
     @api.get("/v1/tasks")
