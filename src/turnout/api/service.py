@@ -443,8 +443,9 @@ class Service:
                 for job in batch:
                     job.result = job.error = None
                     self._run_alone(job)
-            for job in batch:
-                job.loop.call_soon_threadsafe(job.settle)
+            for lead in taken:  # a poll's look first: its worker waits for the task, the submitter for less
+                for job in (*lead.then, lead):
+                    job.loop.call_soon_threadsafe(job.settle)
 
     def _run_group(self, batch: list[_Job[Any]]) -> bool:
         """Run the calls in one transaction, each in a savepoint; False if the transaction was lost.
