@@ -50,14 +50,16 @@ def commits(api: Api, monkeypatch: pytest.MonkeyPatch) -> list[list[tuple[str, s
     return groups
 
 
-async def park(worker: Worker, commits: list[list[tuple[str, str]]]) -> asyncio.Future[Any]:
-    """A long poll of `worker` (wait 20 s), returned once it has looked once and parked."""
-    looked = sum(g.count(("offer", worker.id)) for g in commits)
-    poll = asyncio.ensure_future(worker.post("lease", {"max_tasks": 8, "wait_s": 20, "running": []}))
-    while sum(g.count(("offer", worker.id)) for g in commits) == looked:
+async def park(worker: Worker, running: list[str] | None = None) -> asyncio.Future[Any]:
+    """A long poll of `worker` (wait 20 s), returned once it has looked and parked waiting for new tasks, its
+    next look ready for a submission to make (the service's polls under way, read in-process)."""
+    poll = asyncio.ensure_future(
+        worker.post("lease", {"max_tasks": 8, "wait_s": 20, "running": running or []})
+    )
+    deadline = time.monotonic() + 10
+    while not any(p.worker_id == worker.id and p.ask is not None for p in worker.api.service._polls):
+        assert time.monotonic() < deadline and not poll.done(), "the poll never parked"
         await asyncio.sleep(0.01)
-    await asyncio.sleep(0.05)  # its answer (nothing) came back and it parked
-    assert not poll.done()
     return poll
 
 
@@ -70,7 +72,7 @@ async def test_an_idle_workers_poll_leases_a_new_task_in_the_submissions_commit(
 ) -> None:
     worker = await api.worker()
     # Given an idle worker's poll parked
-    poll = await park(worker, commits)
+    poll = await park(worker)
     before = len(commits)
     # When a task is submitted
     task = await api.submit(gpu="never")
@@ -86,7 +88,7 @@ async def test_a_pipeline_runs_first_stage_is_leased_in_the_runs_commit(
     two = parse_pipelines({"two": {"stages": [{"capability": "shout", "gpu": "never"}] * 2}})
     monkeypatch.setattr(api.ctrl, "settings", replace(api.ctrl.settings, pipelines=two))
     worker = await api.worker()
-    poll = await park(worker, commits)
+    poll = await park(worker)
     before = len(commits)
     # When a run starts
     run = await api.client.post("/v1/pipelines/two/runs", json={"input": {}})
@@ -104,13 +106,8 @@ async def test_a_task_the_look_leaves_wakes_the_next_poll_not_the_one_that_looke
     # Given the longest-parked poll is a worker's with 3 of its 4 CPUs taken, and an idle one's after it
     held = await api.submit(gpu="never", resources={"cpu": 3})
     assert [t["id"] for t in (await small.lease(max_tasks=1))["tasks"]] == [held["id"]]
-    poll_small = asyncio.ensure_future(
-        small.post("lease", {"max_tasks": 8, "wait_s": 20, "running": [held["id"]]})
-    )
-    while looks_of(small, commits) < 2:
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.05)
-    poll_big = await park(big, commits)
+    poll_small = await park(small, running=[held["id"]])
+    poll_big = await park(big)
     small_looks = looks_of(small, commits)
     # When a task asking 2 CPUs is submitted
     task = await api.submit(gpu="never", resources={"cpu": 2})
@@ -128,7 +125,7 @@ async def test_a_refused_submission_leaves_the_poll_that_looked_for_it_waiting(
     [lease] = (await worker.lease())["tasks"]
     assert lease["id"] == first["id"]
     await worker.complete(lease, {"ok": True})
-    poll = await park(worker, commits)
+    poll = await park(worker)
     before = len(commits)
     # When a submission is refused inside its transaction (its key names another request)
     resp = await api.client.post(
@@ -148,8 +145,8 @@ async def test_a_look_that_fails_fails_its_poll_and_not_the_submission(
     api: Api, commits: list[list[tuple[str, str]]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gone, other = await api.worker(), await api.worker()
-    poll_gone = await park(gone, commits)
-    poll_other = await park(other, commits)
+    poll_gone = await park(gone)
+    poll_other = await park(other)
     # Given the longest-parked poll's next look fails (its worker left as the look ran)
     offer = api.ctrl.offer
 
@@ -171,7 +168,7 @@ async def test_a_poll_whose_worker_went_before_its_look_ran_is_leased_nothing(
     api: Api, commits: list[list[tuple[str, str]]]
 ) -> None:
     worker = await api.worker()
-    poll = await park(worker, commits)
+    poll = await park(worker)
     # Given the database thread busy for a moment, and a task submitted meanwhile (its look for the poll waits)
     busy = asyncio.ensure_future(api.service.call(time.sleep, 0.3))
     await asyncio.sleep(0.05)
