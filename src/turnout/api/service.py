@@ -404,7 +404,7 @@ class Service:
         self._jobs.put(job, tenant)
         result = await job.future
         looks = [look.future for look in job.then]
-        if not all(f.done() for f in looks):  # settled right after the submission's: this is rare
+        if not all(f.done() for f in looks):  # `_run_jobs` settles them before the submission: never, so far
             await asyncio.wait(looks)
         taken = {le.task.id for f in looks if not f.cancelled() and f.exception() is None
                  for le in f.result().leases}  # fmt: skip
