@@ -188,3 +188,29 @@ def test_tokens_are_found_by_hash_revoked_once_and_counted(store: Store) -> None
     with pytest.raises(sa.exc.IntegrityError):  # a hash names one token
         store.insert_token("k_3", "h1", "read", "acme", 3.0)
     assert store.count_tokens() == 2
+
+
+# ---- JSON values ------------------------------------------------------------------------------------
+
+# Every kind of JSON value a task's input or output, or a run's output, may be. A bare number is the one to
+# watch: SQLite gives a JSON column NUMERIC affinity, and would store the text `12345678901234567890` as a REAL.
+JSON_VALUES = [1.5, 7, -0.0, 1e5, 1e300, 12345678901234567890, -(2**70), 0, True, None, "12", "x", [1, 2.5],
+               {"n": 12345678901234567890}]  # fmt: skip
+
+
+@pytest.mark.parametrize("value", JSON_VALUES, ids=repr)
+def test_any_json_value_reads_back_exactly_as_input_output_and_run_output(
+    store: Store, value: object
+) -> None:
+    task = _task(1)
+    task = Task(task.id, task.tenant, TaskSpec("cap", value), TaskState.QUEUED, task.created_at)
+    store.insert_tasks([task])
+    assert store.update_tasks([(task.id, (TaskState.QUEUED,), None, {"output": value})]) == [task.id]
+    for read in (store.get_task(task.id), *store.get_tasks([task.id])):
+        assert read is not None
+        assert repr(read.spec.input) == repr(value) and repr(read.output) == repr(value)  # -0.0 and 1e5 too
+    store.runs.insert_run(_run(1))
+    assert store.runs.update_run("r_000001", 0, {"state": RunState.SUCCEEDED, "output": value})
+    run = store.runs.get_run("r_000001")
+    assert run is not None and repr(run.output) == repr(value)
+    assert [repr(r.output) for r in store.runs.list_runs(tenant=None)] == [repr(value)]

@@ -137,7 +137,8 @@ class SqlStore:
         self.url = url
         self.dialect = url.split(":", 1)[0].split("+", 1)[0]
         if self.dialect == "sqlite":
-            self.engine = sa.create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+            self.engine = sa.create_engine(url, connect_args={"check_same_thread": False, "timeout": 30},
+                                           json_serializer=sqlite_json, json_deserializer=sqlite_json_value)  # fmt: skip
             sa.event.listen(self.engine, "connect", _sqlite_pragmas)
             sa.event.listen(self.engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN"))
         else:
@@ -782,12 +783,12 @@ class RawTable:
             row = list(values)
             for i in self._json_at:
                 if row[i] is not None:
-                    row[i] = json.loads(row[i])
+                    row[i] = sqlite_json_value(row[i])
             out.append(self.row(*row))
         return out
 
     def value(self, name: str, value: Any) -> Any:
-        return json.dumps(value) if name in self.json and value is not None else value
+        return sqlite_json(value) if name in self.json and value is not None else value
 
     def insert_rows(self, conn: sa.Connection, rows: Sequence[dict[str, Any]]) -> None:
         sqlite_of(conn).executemany(self.insert, [self._bound(row) for row in rows])
@@ -796,8 +797,23 @@ class RawTable:
         values = [row.get(n) for n in self.columns]
         for i in self._json_at:
             if values[i] is not None:
-                values[i] = json.dumps(values[i])
+                values[i] = sqlite_json(values[i])
         return values
+
+
+def sqlite_json(value: Any) -> str | bytes:
+    """A JSON value as a SQLite JSON column keeps it exactly. Such a column has NUMERIC affinity: the text of a
+    bare number would be stored as a number (`12345678901234567890` as the REAL 1.2345678901234567e19, `1e5` as
+    the integer 100000, which JSON then reads back as neither). A bare number goes as a BLOB of its text, which
+    no affinity converts; everything else as text, as before."""
+    text = json.dumps(value)
+    return text.encode() if isinstance(value, int | float) and not isinstance(value, bool) else text
+
+
+def sqlite_json_value(stored: Any) -> Any:
+    """A JSON column's value as `sqlite_json` stored it (text or BLOB); a bare number an older version stored as
+    text, which the column's affinity made a number, as that number."""
+    return stored if isinstance(stored, int | float) else json.loads(stored)
 
 
 @functools.lru_cache(maxsize=64)
