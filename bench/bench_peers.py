@@ -10,7 +10,9 @@ One system at a time, never two at once, repetitions interleaved (T, C, R, T, C,
 - Ray: `bench.peer_ray` in its own process, `ray.init(num_cpus=2, num_gpus=2)`.
 
 Each phase is timed from the first submit until every result is in, and every task is counted as succeeded
-or not. Latency: sequential round trips, submit to result. CPU per task: user + system CPU from /proc of the
+or not. Latency: sequential round trips, submit to result, each system's own way to submit and wait: Turnout's
+`Client.run` (one request: the submission answers once the task ended), Celery's `.delay().get()`, Ray's
+`ray.get(f.remote())`. CPU per task: user + system CPU from /proc of the
 system's processes (controller, worker agent, handlers; Celery's workers and the Redis server; Ray's GCS,
 raylet and workers), read by `peer_measure.CpuMeter` through the bulk phase (processes that start or end
 meanwhile included), divided by its tasks; the client's own share is beside it.
@@ -158,7 +160,7 @@ async def _latency(client: AsyncClient, n: int) -> dict[str, Any]:
     samples, failed = [], 0
     for i in range(20 + n):
         t0 = time.perf_counter()
-        task = await (await client.submit("noop")).result(timeout=30)
+        task = await client.run("noop", timeout=30)
         if i >= 20:
             samples.append(time.perf_counter() - t0)
             failed += task["state"] != "succeeded"

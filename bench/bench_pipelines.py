@@ -6,7 +6,8 @@
 2. batched against unbatched: texts per second through one process, max_batch_size 32 against 1. Aim: >= 3x.
 3. pipeline overhead: a 3-stage pipeline of no-op stages, end to end (start to finished run, seen by a client)
    less the sum of its stages' run seconds, next to one no-op task's submit-to-result less its run seconds, in
-   the same cluster. Aim: the run adds no more than one single task's overhead in all, not one per stage.
+   the same cluster; each in one request that answers once it ended (`?wait=`), as a client that wants the
+   result at once sends it. Aim: the run adds no more than one single task's overhead in all, not one per stage.
 
     python -m bench --only pipelines [--quick]           all three parts
     python -m bench.bench_pipelines --overhead [--quick]  only part 3 (no model is loaded)
@@ -50,9 +51,12 @@ def _result(http: httpx.Client, task_id: str, timeout_s: float = 600) -> dict[st
 
 
 def _one(http: httpx.Client, capability: str, data: Any, gpu: str = "never") -> tuple[float, dict[str, Any]]:
+    """One task, submitted and waited for in one request (`POST /v1/tasks?wait=`), as a run is started and
+    waited for (`POST /v1/pipelines/{name}/runs?wait=`): equal work for the overhead comparison."""
     started = time.perf_counter()
-    task = http.post("/v1/tasks", json={"capability": capability, "input": data, "gpu": gpu}).json()
-    done = _result(http, task["id"])
+    body = {"capability": capability, "input": data, "gpu": gpu}
+    task = http.post("/v1/tasks", params={"wait": 60}, json=body).json()
+    done = task if task["state"] in ("succeeded", "failed", "cancelled") else _result(http, task["id"])
     return time.perf_counter() - started, done
 
 

@@ -358,15 +358,17 @@ def submit(
     with _client() as client:
         for name, path in named:
             data = with_file(data, name, client.upload(path)["id"])
-        handle = client.submit(capability, data, **options)
-        if not (wait or follow):
-            out.print_json(
-                json.dumps(handle.task if as_json else {"id": handle.id, "state": handle.task["state"]})
-            )
-            return
-        if follow:
+        if wait and not follow:  # the submission's answer is the result: one request
+            task = client.run(capability, data, **options)
+        else:
+            handle = client.submit(capability, data, **options)
+            if not follow:
+                out.print_json(
+                    json.dumps(handle.task if as_json else {"id": handle.id, "state": handle.task["state"]})
+                )
+                return
             show_events(handle.events(), out, err)
-        task = handle.result()
+            task = handle.result()
     if follow and not as_json:
         err.print(summary(task), markup=False, highlight=False, soft_wrap=True)
         if task["output"] is not None:

@@ -4,6 +4,7 @@ from turnout import Client
 client = Client()                                  # TURNOUT_URL, TURNOUT_TOKEN or $TURNOUT_HOME/admin.token
 task = client.submit("shout", {"text": "hi"}, gpu="prefer")
 print(task.result(timeout=30)["output"])
+print(client.run("shout", {"text": "hi"}, timeout=30)["output"])   # submit and wait: one request
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ TERMINAL = {"succeeded", "failed", "cancelled"}
 _BY_STATUS: dict[int, type[TurnoutError]] = {code: cls for cls, code in HTTP_STATUS.items()}
 SUBMIT_WINDOW_S = 0.002  # concurrent submissions this close together go as one batch request
 MAX_BATCH = 1000  # what `POST /v1/tasks/batch` takes at once
+WAIT_STEP_S = 30.0  # the longest one request waits for a task or run to end; a longer wait asks again
 
 
 def default_url() -> str:
@@ -92,11 +94,14 @@ class AsyncTaskHandle:
         self.task = task
 
     async def result(self, timeout: float | None = None) -> dict[str, Any]:
-        """Wait for a terminal state (at most `timeout` seconds) and return the task."""
+        """Wait for a terminal state (at most `timeout` seconds) and return the task; a task known to have
+        ended already (a handle from `run`) is returned as it is: it cannot change."""
+        if self.task.get("state") in TERMINAL:
+            return self.task
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while True:
-            wait = 30.0 if deadline is None else max(0.0, min(30.0, deadline - loop.time()))
+            wait = WAIT_STEP_S if deadline is None else max(0.0, min(WAIT_STEP_S, deadline - loop.time()))
             self.task = await self.client.get_result(self.id, wait=wait)
             if self.task["state"] in TERMINAL:
                 return self.task
@@ -179,6 +184,31 @@ class AsyncClient:
             raise InvalidInput(f"{found[0]}: {found[1]}", field=found[0])
         return AsyncTaskHandle(self, await self._submissions.submit(body))
 
+    async def run(
+        self,
+        capability: str,
+        input: Any = None,
+        *,
+        gpu: str | bool = "auto",
+        timeout: float | None = None,
+        **options: Any,
+    ) -> dict[str, Any]:
+        """Submit one task and wait for it to end; returns the task (TimeoutError after `timeout` seconds).
+
+        One request where the task ends within `WAIT_STEP_S` (`POST /v1/tasks?wait=`): the submission's answer
+        is the result. Never batched with other callers' `submit()`s, whose answers cannot wait for it."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        wait = WAIT_STEP_S if timeout is None else max(0.0, min(WAIT_STEP_S, timeout))
+        body = {"capability": capability, "input": input, "gpu": gpu, **options}
+        handle = AsyncTaskHandle(
+            self, await self.request("POST", "/v1/tasks", params={"wait": wait}, json=body)
+        )
+        try:
+            return await handle.result(None if deadline is None else max(0.0, deadline - loop.time()))
+        except TimeoutError:
+            raise TimeoutError(f"task {handle.id} still {handle.task['state']} after {timeout} s") from None
+
     async def submit_batch(self, tasks: list[dict[str, Any]]) -> list[AsyncTaskHandle]:
         body = await self.request("POST", "/v1/tasks/batch", json={"tasks": tasks})
         return [AsyncTaskHandle(self, t) for t in body["tasks"]]
@@ -259,15 +289,20 @@ class AsyncClient:
 
         Answers the run: `state`, `stages` (each with device, worker, seconds and cost), `cost_usd`,
         `gpu_only_cost_usd`. `options`: `gpu` for stages that set none in the config."""
-        run = await self.request("POST", f"/v1/pipelines/{name}/runs", json={"input": input, **options})
-        return run if not wait else await self.pipeline_run(run["id"], wait=wait)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (wait or 0.0)
+        run = await self.request("POST", f"/v1/pipelines/{name}/runs", json={"input": input, **options},
+                                 params={"wait": min(WAIT_STEP_S, wait)} if wait else None)  # fmt: skip
+        if not wait or run["state"] in TERMINAL:
+            return run
+        return await self.pipeline_run(run["id"], wait=max(0.0, deadline - loop.time()))
 
     async def pipeline_run(self, run_id: str, wait: float = 0) -> dict[str, Any]:
         """A run; waits up to `wait` seconds (in steps of at most 30 s) for it to end."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
         while True:
-            step = max(0.0, min(30.0, deadline - loop.time()))
+            step = max(0.0, min(WAIT_STEP_S, deadline - loop.time()))
             run = await self.request("GET", f"/v1/pipeline-runs/{run_id}", params={"wait": step})
             if run["state"] in TERMINAL or loop.time() >= deadline:
                 return run
@@ -543,7 +578,7 @@ class Client:
         return TaskHandle(self, AsyncTaskHandle(self._async, {"id": task_id}))
 
     def __getattr__(self, name: str) -> Any:
-        """get_task, get_result, cancel, tasks, workers, capabilities, create_token, list_tokens, revoke_token,
+        """run, get_task, get_result, cancel, tasks, workers, capabilities, create_token, list_tokens, revoke_token,
         audit, run_pipeline, pipeline_run, pipeline_runs, cancel_pipeline_run, upload, download, delete_file: run
         the async twin."""
         method = getattr(self._async, name)

@@ -89,8 +89,8 @@ def fast_path(api: Api, answered: list[Any]) -> tuple[FastPath, Rest]:
         answered.append((worker_id, items, me))
         return FastJSON({"stored": len(items)})
 
-    async def submitted(body: TaskIn, p: Principal) -> FastJSON:
-        answered.append((body, p))
+    async def submitted(body: TaskIn, wait: float, p: Principal) -> FastJSON:
+        answered.append((body, wait, p))
         if body.priority == 9:
             raise RateLimited("too many submissions", retry_after_s=2.5)
         return FastJSON({"submitted": True}, status_code=201)
@@ -233,13 +233,14 @@ async def submitter(api: Api, role: str = "submit") -> dict[str, str]:
     return {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
 
 
-async def test_a_plain_submission_is_answered_without_the_route(api: Api) -> None:
+@pytest.mark.parametrize(("query", "wait"), [(b"", 0.0), (b"wait=30", 30.0), (b"wait=0.5", 0.5)])
+async def test_a_plain_submission_is_answered_without_the_route(api: Api, query: bytes, wait: float) -> None:
     answered: list[Any] = []
     app, rest = fast_path(api, answered)
-    status, body = await call(app, "/v1/tasks", await submitter(api), json.dumps(SUBMISSION).encode())
+    status, body = await call(app, "/v1/tasks", await submitter(api), json.dumps(SUBMISSION).encode(), query)
     assert (status, body, rest.bodies) == (201, {"submitted": True}, [])
-    [(task, principal)] = answered
-    assert task == TaskIn.model_validate(SUBMISSION) and principal.home_tenant == "acme"
+    [(task, waited, principal)] = answered
+    assert task == TaskIn.model_validate(SUBMISSION) and principal.home_tenant == "acme" and waited == wait
 
 
 async def test_a_refusal_the_submission_raises_is_rendered_as_the_route_would(api: Api) -> None:
@@ -251,7 +252,18 @@ async def test_a_refusal_the_submission_raises_is_rendered_as_the_route_would(ap
 
 @pytest.mark.parametrize(
     "case",
-    ["read token", "unknown token", "no token", "bad body", "extra field", "NaN", "query", "the batch"],
+    [
+        "read token",
+        "unknown token",
+        "no token",
+        "bad body",
+        "extra field",
+        "NaN",
+        "query",
+        "wait=1e2",
+        "wait=-1",
+        "the batch",
+    ],
 )
 async def test_an_unsure_submission_goes_to_the_route_with_its_body_intact(api: Api, case: str) -> None:
     answered: list[Any] = []
@@ -270,6 +282,8 @@ async def test_an_unsure_submission_goes_to_the_route_with_its_body_intact(api: 
         body = b'{"capability": "shout", "input": NaN}'
     elif case == "query":
         query = b"x=1"
+    elif case.startswith("wait="):  # a wait only the route takes (or refuses), in its own words
+        query = case.encode()
     elif case == "the batch":
         path, body = "/v1/tasks/batch", json.dumps({"tasks": [SUBMISSION]}).encode()
     status, answer = await call(app, path, hdrs, body, query)

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.conftest import Cluster, Processes, pid_alive
@@ -244,8 +245,15 @@ def test_unknown_pipeline_and_bad_run_input_are_refused_naming_the_field(configu
 
 def test_sdk_and_cli_run_a_pipeline_through_the_real_route(configured: Cluster) -> None:
     with Client(configured.url, configured.token) as client:
+        sent: list[str] = []
+
+        async def hook(request: httpx.Request) -> None:
+            sent.append(f"{request.method} {request.url.path}?{request.url.query.decode()}")
+
+        client._async.http.event_hooks["request"].append(hook)
         run = client.run_pipeline("words", {"text": "one two"}, wait=60)
         assert run["state"] == "succeeded" and run["output"]["summary"] == "2 words"
+        assert sent == ["POST /v1/pipelines/words/runs?wait=30.0"]  # the start's answer is the ended run
         assert client.pipeline_runs()["pipeline_runs"][0]["id"] == run["id"]
     done = configured.cli("run", "words", "--input", '{"text": "x y z"}')
     assert done.returncode == 0, done.stderr

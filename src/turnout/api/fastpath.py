@@ -3,7 +3,7 @@
 A worker's report (`POST /v1/workers/{id}/complete`, once per finished task or batch from every worker), its
 lease poll (`POST /v1/workers/{id}/lease`, once per task that finds an idle worker) and its event batches
 (`POST /v1/workers/{id}/events`, many a second from a chatty task), a single submission
-(`POST /v1/tasks`, once per task from every client submitting one at a time), the wait for its result
+(`POST /v1/tasks`, with or without `?wait=S`, once per task from every client submitting one at a time), the wait for its result
 (`GET /v1/tasks/{id}/result`, with or without `?wait=S`: `TaskHandle.result()`) and a pipeline run's start
 (`POST /v1/pipelines/{name}/runs`, with or without `?wait=S`). Routing through the included routers, solving
 the caller's check as a dependency, and building the request and the response objects took about as much of
@@ -97,7 +97,8 @@ class FastPath:
                    lambda found, body, me, _: lease(found.group(1), body, me)),
             _Route(EVENTS, self._worker, lambda body: parse_events(body, limits),
                    lambda found, items, me, _: events(found.group(1), items, me)),
-            _Route(SUBMIT, self._submitter, TaskIn.model_validate, lambda _, body, p, __: submit(body, p)),
+            _Route(SUBMIT, self._submitter, TaskIn.model_validate,
+                   lambda _, body, p, q: submit(body, q["wait"], p), _wait_only),
             _Route(START_RUN, self._submitter, RunIn.model_validate,
                    lambda found, body, p, q: start_run(found.group(1), body, q["wait"], p), _wait_only),
             _Route(RESULT, self._reader, None, lambda found, _, p, q: result(found.group(1), q["wait"], p), _wait_only),

@@ -1,6 +1,6 @@
 """Task routes: submit (one or a batch), read, wait for a result, list, cancel, and stream events.
 
-    POST /v1/tasks                      (submit) one task -> 201 the task
+    POST /v1/tasks?wait=S               (submit) one task -> 201 the task, once it ended or after S s (default 0)
     POST /v1/tasks/batch                (submit) {"tasks": [...]} -> 201 {"tasks": [...]} in the order sent
     GET  /v1/tasks?state=&capability=&limit=&cursor=   (read) newest first
     GET  /v1/tasks/{id}                 (read)
@@ -37,7 +37,7 @@ EVENTS_PER_READ = 5000
 iso_cached = functools.lru_cache(maxsize=256)(iso)
 
 
-SubmitAnswer = Callable[[TaskIn, Principal], Awaitable[FastJSON]]
+SubmitAnswer = Callable[[TaskIn, float, Principal], Awaitable[FastJSON]]  # (body, wait, caller)
 ResultAnswer = Callable[[str, float, Principal], Awaitable[FastJSON]]
 
 
@@ -63,16 +63,24 @@ def router(service: Service, guards: Guards) -> TaskRoutes:
         return await service.submit(tenant, functools.partial(ctrl.submit, tenant, specs, **options),
                                     [(s.capability, tenant) for s in specs], queued=list)  # fmt: skip
 
-    async def submit_answer(body: TaskIn, p: Principal) -> FastJSON:
+    async def submit_answer(body: TaskIn, wait: float, p: Principal) -> FastJSON:
+        """The task as submitted; with `wait`, as it stands once it ended or `wait` seconds passed: a client
+        that wants the result at once needs no second request (`Client.run`)."""
         specs = [body.to_spec(limits)]
         # a 429 before the database: a flood costs the others nothing
         await service.admit(p.home_tenant, specs)
-        tasks = await submitted(p.home_tenant, specs, waits_for_capacity=[body.waits_for_capacity])
-        return FastJSON(task_out(tasks[0]), status_code=201)
+        (task,) = await submitted(p.home_tenant, specs, waits_for_capacity=[body.waits_for_capacity])
+        if wait <= 0 or task.state.terminal:
+            return FastJSON(task_out(task), status_code=201)
+        # a task this request created cannot have ended before the wait below begins (nothing ran on this
+        # loop since its commit); an idempotent repeat names an older task, which may end any moment
+        return await result_answer(task.id, wait, p, status_code=201, fresh=body.idempotency_key is None)
 
     @api.post("/v1/tasks", status_code=201, response_class=FastJSON)
-    async def submit(body: TaskIn, p: Principal = need(Action.SUBMIT)) -> FastJSON:
-        return await submit_answer(body, p)
+    async def submit(
+        body: TaskIn, wait: float = Query(0, ge=0, le=MAX_WAIT_S), p: Principal = need(Action.SUBMIT)
+    ) -> FastJSON:
+        return await submit_answer(body, wait, p)
 
     @api.post("/v1/tasks/batch", status_code=201, response_class=FastJSON)
     async def submit_batch(body: TaskBatchIn, p: Principal = need(Action.SUBMIT)) -> FastJSON:
@@ -109,9 +117,15 @@ def router(service: Service, guards: Guards) -> TaskRoutes:
     ) -> FastJSON:
         return await result_answer(task_id, wait, p)
 
-    async def result_answer(task_id: str, wait: float, p: Principal) -> FastJSON:
+    async def result_answer(
+        task_id: str, wait: float, p: Principal, status_code: int = 200, *, fresh: bool = False
+    ) -> FastJSON:
+        """The task once it ended or `wait` seconds passed. `fresh`: the task was created by this request and
+        has not been running yet, so the first look waits instead of reading it."""
         deadline = time.monotonic() + wait
         with service.watch_tasks([task_id]) as ended:
+            if fresh:
+                await Signal.wait_any([ended, service.tasks_changed.current()], min(wait, service.recheck_s))
             while True:
                 ended.clear()
                 signal = service.tasks_changed.current()
@@ -120,7 +134,7 @@ def router(service: Service, guards: Guards) -> TaskRoutes:
                     task = await service.read(ctrl.get_task, p.scope, task_id)
                 left = deadline - time.monotonic()
                 if task.state.terminal or left <= 0:
-                    return FastJSON(task_out(task))
+                    return FastJSON(task_out(task), status_code=status_code)
                 await Signal.wait_any([ended, signal], min(left, service.recheck_s))
 
     @api.post("/v1/tasks/{task_id}/cancel")
