@@ -72,8 +72,9 @@ def router(service: Service, guards: Guards) -> TaskRoutes:
         (task,) = await submitted(p.home_tenant, specs, waits_for_capacity=[body.waits_for_capacity])
         if wait <= 0 or task.state.terminal:
             return FastJSON(task_out(task), status_code=201)
-        # a task this request created cannot have ended before the wait below begins (nothing ran on this
-        # loop since its commit); an idempotent repeat names an older task, which may end any moment
+        # a task this request created has not ended before the wait below begins: no result for it can have
+        # come in since its commit (were one to, on another replica, the wait's periodic look still finds it);
+        # an idempotent repeat names an older task, which may end any moment: that one is read first
         return await result_answer(task.id, wait, p, status_code=201, fresh=body.idempotency_key is None)
 
     @api.post("/v1/tasks", status_code=201, response_class=FastJSON)
@@ -120,8 +121,8 @@ def router(service: Service, guards: Guards) -> TaskRoutes:
     async def result_answer(
         task_id: str, wait: float, p: Principal, status_code: int = 200, *, fresh: bool = False
     ) -> FastJSON:
-        """The task once it ended or `wait` seconds passed. `fresh`: the task was created by this request and
-        has not been running yet, so the first look waits instead of reading it."""
+        """The task once it ended or `wait` seconds passed. `fresh`: this request created the task, which cannot
+        have ended before the wait begins, so the wait begins without reading it."""
         deadline = time.monotonic() + wait
         with service.watch_tasks([task_id]) as ended:
             if fresh:
