@@ -9,6 +9,7 @@ submission and a worker's call run in the very next group, ahead of the backlog.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 
 from turnout.api.service import PER_TENANT, Service
 from turnout.lanes import WORKER_LANE, Lanes
-from turnout.models import TaskState
+from turnout.models import Task, TaskState
 from turnout.store import open_store
 
 from .test_service import FakeClock, register, run_with_service, spec
@@ -132,6 +133,13 @@ def test_lanes_refuse_sizes_that_cannot_serve_both_workers_and_tenants(
         Lanes(max_group, per_tenant)
 
 
+async def submitted(service: Service, tenant: str, text: str) -> list[Task]:
+    """A submission as the routes make it: in its tenant's lane."""
+    specs = [spec(text)]
+    return await service.submit(tenant, functools.partial(service.controller.submit, tenant, specs),
+                                [(s.capability, tenant) for s in specs], queued=list)  # fmt: skip
+
+
 def test_a_calm_tenants_submission_and_a_workers_call_go_ahead_of_a_flooding_tenants_backlog(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -159,10 +167,10 @@ def test_a_calm_tenants_submission_and_a_workers_call_go_ahead_of_a_flooding_ten
         gate = threading.Event()
         stuck = asyncio.ensure_future(service.call(gate.wait, 30))
         await asyncio.sleep(0.05)
-        flood = [asyncio.ensure_future(service.call(ctrl.submit, "flood", [spec(str(i))])) for i in range(40)]
+        flood = [asyncio.ensure_future(submitted(service, "flood", str(i))) for i in range(40)]
         await asyncio.sleep(0.05)
         # When a calm tenant submits, and a worker asks for work, after the whole backlog
-        calm = asyncio.ensure_future(service.call(ctrl.submit, "calm", [spec("calm")]))
+        calm = asyncio.ensure_future(submitted(service, "calm", "calm"))
         leased = asyncio.ensure_future(service.call(ctrl.lease, worker.id, max_tasks=1))
         await asyncio.sleep(0.05)
         gate.set()

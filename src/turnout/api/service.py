@@ -365,13 +365,13 @@ class Service:
     async def call(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         """Run `fn` on the database thread; returns once its writes are committed (durable), and only then.
 
-        A submission (`Controller.submit`, its tenant the first argument) waits in its tenant's lane; every
-        other call in the workers' lane, which goes first (`lanes.Lanes`).
-        Raises `StorageUnavailable` when the database could not keep them: nothing of `fn` is stored then.
+        In the workers' lane, which goes first (`lanes.Lanes`); a submission goes through `submit`, in its
+        tenant's lane. Raises `StorageUnavailable` when the database could not keep them: nothing of `fn` is
+        stored then.
         """
         loop = asyncio.get_running_loop()
         future: asyncio.Future[R] = loop.create_future()
-        self._jobs.put(_Job(functools.partial(fn, *args, **kwargs), loop, future), self._lane(fn, args))
+        self._jobs.put(_Job(functools.partial(fn, *args, **kwargs), loop, future), WORKER_LANE)
         return await future
 
     async def submit(
@@ -423,15 +423,6 @@ class Service:
                     if p.ask is not None and p not in chosen and p.may_take(capability, tenant))  # fmt: skip
             chosen.update(itertools.islice(fits, n))
         return list(chosen.items())
-
-    def _lane(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> str | None:
-        """The tenant whose submission this call is, or WORKER_LANE for any other call."""
-        if (
-            getattr(fn, "__func__", None) is Controller.submit
-            and getattr(fn, "__self__", None) is self.controller
-        ):
-            return str(args[0]) if args else WORKER_LANE
-        return WORKER_LANE
 
     def _run_jobs(self) -> None:
         while taken := self._jobs.take():
