@@ -21,7 +21,7 @@ from turnout.api.service import Service
 from turnout.auth import TokenBook
 from turnout.config import ControllerSettings
 from turnout.controller import Controller
-from turnout.models import Role
+from turnout.models import Role, Task
 from turnout.runtime import build_controller
 from turnout.store import MemoryStore, Store
 
@@ -111,6 +111,19 @@ class Worker:
     async def heartbeat(self) -> None:
         resp = await self.post("heartbeat", {})
         assert resp.status_code == 200, resp.text
+
+
+def task_reads(api: Api, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The ids of the tasks the controller reads (`get_task`) from now on, in order."""
+    reads: list[str] = []
+    get_task = api.ctrl.get_task
+
+    def counted(tenant: str | None, task_id: str) -> Task:
+        reads.append(task_id)
+        return get_task(tenant, task_id)
+
+    monkeypatch.setattr(api.ctrl, "get_task", counted)
+    return reads
 
 
 def _gpu(i: int) -> dict[str, Any]:

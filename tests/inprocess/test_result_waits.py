@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.inprocess.conftest import Api, serve_api
+from tests.inprocess.conftest import Api, serve_api, task_reads
 from tests.inprocess.harness import FakeClock
 from turnout.access import ALL_TENANTS
 from turnout.api.app import create_app
@@ -29,14 +29,7 @@ async def test_a_result_wait_reads_again_only_for_its_own_tasks_result(
     api: Api, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     api.service.recheck_s = 30.0  # no periodic look: only a wake-up can end the wait early
-    reads: list[str] = []
-    get_task = api.ctrl.get_task
-
-    def counted(tenant: str | None, task_id: str):  # type: ignore[no-untyped-def]
-        reads.append(task_id)
-        return get_task(tenant, task_id)
-
-    monkeypatch.setattr(api.ctrl, "get_task", counted)
+    reads = task_reads(api, monkeypatch)
     worker = await api.worker()
     mine, other = await api.submit(gpu="never"), await api.submit(gpu="never")
     leases = {t["id"]: t for t in (await worker.lease())["tasks"]}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.inprocess.conftest import Api, serve_api
+from tests.inprocess.conftest import Api, serve_api, task_reads
 from turnout.config import ControllerSettings
 from turnout.store import open_store
 
@@ -25,14 +25,7 @@ async def test_the_answer_is_the_ended_task_and_nothing_is_read_before_its_resul
     api: Api, monkeypatch: pytest.MonkeyPatch, twenty: str
 ) -> None:
     api.service.recheck_s = 30.0  # no periodic look: only the task's own result can end the wait early
-    reads: list[str] = []
-    get_task = api.ctrl.get_task
-
-    def counted(tenant: str | None, task_id: str):  # type: ignore[no-untyped-def]
-        reads.append(task_id)
-        return get_task(tenant, task_id)
-
-    monkeypatch.setattr(api.ctrl, "get_task", counted)
+    reads = task_reads(api, monkeypatch)
     worker = await api.worker()
     # Given a client submitting with a wait
     waiting = asyncio.ensure_future(api.client.post("/v1/tasks", params={"wait": twenty}, json=BODY))
