@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import random
 import threading
@@ -34,6 +35,16 @@ _BY_STATUS: dict[int, type[TurnoutError]] = {code: cls for cls, code in HTTP_STA
 SUBMIT_WINDOW_S = 0.002  # concurrent submissions this close together go as one batch request
 MAX_BATCH = 1000  # what `POST /v1/tasks/batch` takes at once
 WAIT_STEP_S = 30.0  # the longest one request waits for a task or run to end; a longer wait asks again
+
+
+def seconds_or_none(value: float | None, name: str) -> float | None:
+    """A wait a caller gave: None or infinity (no limit), or a number >= 0. NaN is refused naming the argument:
+    it compares false with every deadline, so a wait on it would never end."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value) or value < 0:
+        raise InvalidInput(f"{name}: expected a number of seconds >= 0, got {value!r}", field=name)
+    return float(value)
 
 
 def default_url() -> str:
@@ -96,6 +107,7 @@ class AsyncTaskHandle:
     async def result(self, timeout: float | None = None) -> dict[str, Any]:
         """Wait for a terminal state (at most `timeout` seconds) and return the task; a task known to have
         ended already (a handle from `run`) is returned as it is: it cannot change."""
+        timeout = seconds_or_none(timeout, "timeout")
         if self.task.get("state") in TERMINAL:
             return self.task
         loop = asyncio.get_running_loop()
@@ -197,9 +209,10 @@ class AsyncClient:
 
         One request where the task ends within `WAIT_STEP_S` (`POST /v1/tasks?wait=`): the submission's answer
         is the result. Never batched with other callers' `submit()`s, whose answers cannot wait for it."""
+        timeout = seconds_or_none(timeout, "timeout")
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        wait = WAIT_STEP_S if timeout is None else max(0.0, min(WAIT_STEP_S, timeout))
+        wait = WAIT_STEP_S if timeout is None else min(WAIT_STEP_S, timeout)
         body = {"capability": capability, "input": input, "gpu": gpu, **options}
         handle = AsyncTaskHandle(
             self, await self.request("POST", "/v1/tasks", params={"wait": wait}, json=body)
@@ -289,6 +302,7 @@ class AsyncClient:
 
         Answers the run: `state`, `stages` (each with device, worker, seconds and cost), `cost_usd`,
         `gpu_only_cost_usd`. `options`: `gpu` for stages that set none in the config."""
+        wait = seconds_or_none(wait, "wait")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (wait or 0.0)
         run = await self.request("POST", f"/v1/pipelines/{name}/runs", json={"input": input, **options},
@@ -300,7 +314,7 @@ class AsyncClient:
     async def pipeline_run(self, run_id: str, wait: float = 0) -> dict[str, Any]:
         """A run; waits up to `wait` seconds (in steps of at most 30 s) for it to end."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait
+        deadline = loop.time() + (seconds_or_none(wait, "wait") or 0.0)
         while True:
             step = max(0.0, min(WAIT_STEP_S, deadline - loop.time()))
             run = await self.request("GET", f"/v1/pipeline-runs/{run_id}", params={"wait": step})

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.conftest import Cluster
-from turnout.client import AsyncClient, Client
+from turnout.client import AsyncClient, AsyncTaskHandle, Client
 from turnout.errors import InvalidInput
 
 APP = "tests.apps.testapp:app"
@@ -74,3 +74,25 @@ def test_submit_wait_on_the_cli_prints_the_result(api: Cluster) -> None:
     done = api.cli("submit", "count", "--input", '{"n": 5}', "--gpu", "never", "--wait", "--json")
     assert done.returncode == 0, done.stderr
     assert '"succeeded"' in done.stdout and '"n": 5' in done.stdout
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1, True, "5"], ids=repr)
+def test_a_wait_that_could_never_end_or_means_nothing_is_refused_naming_it(bad: object) -> None:
+    """NaN compares false with every deadline: a wait on it looped for ever. Refused before any request."""
+
+    async def go() -> None:
+        async with AsyncClient("http://127.0.0.1:9", "no-token") as client:
+            sent = _count(client.http)
+            calls = [
+                ("timeout", lambda: client.run("count", timeout=bad)),  # type: ignore[arg-type]
+                ("timeout", lambda: AsyncTaskHandle(client, {"id": "t_x"}).result(bad)),  # type: ignore[arg-type]
+                ("wait", lambda: client.run_pipeline("p", wait=bad)),  # type: ignore[arg-type]
+                ("wait", lambda: client.pipeline_run("r_x", wait=bad)),  # type: ignore[arg-type]
+            ]
+            for name, call in calls:
+                with pytest.raises(InvalidInput) as refused:
+                    await asyncio.wait_for(call(), 5)
+                assert refused.value.field == name
+            assert sent == []
+
+    asyncio.run(go())
