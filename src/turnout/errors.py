@@ -18,6 +18,8 @@ The API maps classes to status codes in one table (`api/errors.py`); nothing els
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,26 @@ class TurnoutError(Exception):
 
 class InvalidInput(TurnoutError):
     type = "invalid_input"
+
+
+def number(
+    value: Any,
+    at: str,
+    expected: str,
+    valid: Callable[[float], bool] = lambda _: True,
+    *,
+    field: str | None = None,
+) -> float:
+    """`value` as a float where it is a real, finite number (not a bool, not NaN) that `valid` takes; else an
+    InvalidInput `{at}: expected {expected}, got {value!r}`, naming `field` (default: `at`)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or not valid(value)
+    ):
+        raise InvalidInput(f"{at}: expected {expected}, got {value!r}", field=field or at)
+    return float(value)
 
 
 class NotFound(TurnoutError):

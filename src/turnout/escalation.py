@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -32,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from turnout.errors import InvalidInput
+from turnout.errors import InvalidInput, number
 from turnout.models import Completion, Device, GpuMode, Routing, Task, TaskState, check_capability_name
 
 if TYPE_CHECKING:
@@ -131,10 +130,9 @@ def parse_escalation(
 
 
 def _positive(value: Any, at: str, *, zero_ok: bool = False) -> float:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (value == 0 and not zero_ok):
-        raise _bad(at, f"expected a number {'>=' if zero_ok else '>'} 0, got {value!r}")
-    return float(value)
+    if zero_ok:
+        return number(value, at, "a number >= 0", lambda v: v >= 0)
+    return number(value, at, "a number > 0", lambda v: v > 0)
 
 
 def _bad(at: str, why: str) -> InvalidInput:

@@ -10,13 +10,12 @@ Nothing here does I/O: `runs.py` reads tasks from the store, asks these function
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from turnout.config import Prices
-from turnout.errors import InvalidInput
+from turnout.errors import InvalidInput, number
 from turnout.models import Device, GpuMode, Task, TaskState, check_capability_name
 from turnout.routing import ClusterView, Route, WorkerOffer, route
 
@@ -112,14 +111,7 @@ def _stage(raw: Any, at: str) -> Stage:
 def _seconds(value: Any, at: str, default: float | None = None) -> float | None:
     if value is None:
         return default
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise InvalidInput(f"{at}: expected a number of seconds > 0, got {value!r}", field=at)
-    return float(value)
+    return number(value, at, "a number of seconds > 0", lambda v: v > 0)
 
 
 def stage_input(run_input: Mapping[str, Any], outputs: Sequence[tuple[str, Any]]) -> dict[str, Any]:

@@ -10,7 +10,6 @@ and keeps each tenant's `reserved_share` of a shared worker where it leases (`Re
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
@@ -18,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 from turnout.access import check_tenant_name
-from turnout.errors import InvalidInput, RateLimited
+from turnout.errors import InvalidInput, RateLimited, number
 
 T = TypeVar("T")
 DEFAULT_KEY = "*"
@@ -88,14 +87,7 @@ def parse_limits(raw: Any, source: str | None = None) -> LimitsTable:
             if name not in _KEYS:
                 raise InvalidInput(f"{prefix}{where}: unknown limit (use {', '.join(_KEYS)})", field=where)
             valid, need = _RANGES.get(name, _POSITIVE)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int | float)
-                or not math.isfinite(value)
-                or not valid(value)
-            ):
-                raise InvalidInput(f"{prefix}{where}: expected {need}, got {value!r}", field=where)
-            values[name] = float(value)
+            values[name] = number(value, f"{prefix}{where}", need, valid, field=where)
         parsed[str(tenant)] = values
     default = TenantLimits(**parsed.get(DEFAULT_KEY, {}))
     tenants = {

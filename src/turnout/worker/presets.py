@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import enum
 import json
-import math
 import re
 import shlex
 from collections.abc import Callable, Mapping
@@ -36,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from turnout.errors import InvalidInput, read_user_file
+from turnout.errors import InvalidInput, number, read_user_file
 from turnout.files import with_paths
 from turnout.models import Device, Variant, check_capability_name
 from turnout.resources import parse_resources
@@ -184,14 +183,7 @@ def _env_vars(value: Any, at: str) -> tuple[tuple[str, str], ...]:
 
 
 def _number(value: Any, at: str) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise _bad(at, f"expected a number of seconds > 0, got {value!r}")
-    return float(value)
+    return number(value, at, "a number of seconds > 0", lambda v: v > 0)
 
 
 def _bad(at: str, why: str) -> InvalidInput:
