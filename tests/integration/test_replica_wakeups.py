@@ -147,6 +147,34 @@ def test_a_result_completed_on_one_replica_wakes_a_result_wait_on_another(pg_url
     run(pg_url, body)
 
 
+def test_a_submission_waiting_on_one_replica_is_answered_by_its_result_on_another(pg_url: str) -> None:
+    async def body(a: Service, api_a: httpx.AsyncClient, b: Service, api_b: httpx.AsyncClient) -> None:
+        # Given a client submitting with a wait on replica B (which does not read the task it just made)
+        worker_id = await register(api_a, api_b)
+        waiting = asyncio.ensure_future(
+            api_b.post("/v1/tasks", params={"wait": 60}, json={"capability": "noop", "input": {}}, timeout=90)
+        )
+        tasks: list[dict[str, Any]] = []
+        while not tasks:  # its worker leases it through replica A
+            ask = {"max_tasks": 1, "wait_s": 0}
+            tasks = (await api_a.post(f"/v1/workers/{worker_id}/lease", json=ask)).json()["tasks"]
+            await asyncio.sleep(0.01)
+        # When the worker reports the result to replica A
+        result = {"task_id": tasks[0]["id"], "attempt": 1, "status": "succeeded", "output": {"ok": 2}}
+        done = (await api_a.post(f"/v1/workers/{worker_id}/complete", json={"results": [result]})).json()
+        assert done["accepted"] == [tasks[0]["id"]]
+        # Then the submission on B answers with the result at once, not at its 60 s re-check
+        answer = await asyncio.wait_for(waiting, BOUND_S)
+        assert answer.status_code == 201, answer.text
+        assert (answer.json()["id"], answer.json()["state"], answer.json()["output"]) == (
+            tasks[0]["id"],
+            "succeeded",
+            {"ok": 2},
+        )
+
+    run(pg_url, body)
+
+
 def test_events_stored_through_one_replica_reach_a_stream_held_by_another(pg_url: str) -> None:
     async def body(a: Service, api_a: httpx.AsyncClient, b: Service, api_b: httpx.AsyncClient) -> None:
         # Given a running task whose event stream a client follows on replica B
