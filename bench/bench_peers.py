@@ -156,15 +156,23 @@ async def _one_by_one(client: AsyncClient, n: int, timeout_s: float) -> dict[str
     return {**phase_figures(n, elapsed, submit_s, n_good), "callers": CALLERS, "states": states}
 
 
-async def _latency(client: AsyncClient, n: int) -> dict[str, Any]:
-    samples, failed = [], 0
+async def _latency(client: AsyncClient, n: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Sequential round trips as `Client.run` makes them (one request), and alternated with those, as
+    `submit()` then `result()` (two): equal work, one cluster."""
+    one: list[float] = []
+    two: list[float] = []
+    failed = [0, 0]
     for i in range(20 + n):
-        t0 = time.perf_counter()
-        task = await client.run("noop", timeout=30)
-        if i >= 20:
-            samples.append(time.perf_counter() - t0)
-            failed += task["state"] != "succeeded"
-    return latency_figures(samples, failed)
+        for k, samples in enumerate((one, two)):
+            t0 = time.perf_counter()
+            if k == 0:
+                task = await client.run("noop", timeout=30)
+            else:
+                task = await (await client.submit("noop")).result(timeout=30)
+            if i >= 20:
+                samples.append(time.perf_counter() - t0)
+                failed[k] += task["state"] != "succeeded"
+    return latency_figures(one, failed[0]), latency_figures(two, failed[1])
 
 
 def _handlers(cluster: TurnoutCluster) -> int:
@@ -181,7 +189,7 @@ async def cpu_phases(cluster: TurnoutCluster, params: dict[str, Any], profile: b
         out["handler_processes"] = _handlers(cluster)
         out["bulk"] = await _bulk(client, cluster, n, {"capability": "noop"}, _on_cpu, timeout_s, profile)
         out["single"] = await _one_by_one(client, n, timeout_s)
-        out["latency"] = await _latency(client, params["n_latency"])
+        out["latency"], out["latency_two_requests"] = await _latency(client, params["n_latency"])
     return out
 
 

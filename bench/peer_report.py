@@ -25,6 +25,7 @@ FIGURES = {
     "client_cpu_ms_per_task": ("bulk", "client_cpu_ms_per_task"),
     "quarter_gpu_tasks_per_s": ("quarter_gpu", "tasks_per_s"),
     "quarter_gpu_default_tasks_per_s": ("quarter_gpu_default", "tasks_per_s"),  # Ray at max_calls=1
+    "two_requests_p50_ms": ("latency_two_requests", "p50_ms"),  # Turnout's submit() then result()
 }
 
 
@@ -113,6 +114,10 @@ def _notes(rows: dict[str, dict[str, Any]]) -> list[str]:
     by_system = [f"{LABELS[name].split(' (')[0]}: " + ", ".join(f"{role} {_num(ms, 2)}" for role, ms in roles.items())
                  for name, r in rows.items() if (roles := r.get("cpu_ms_per_task_by_role"))]  # fmt: skip
     notes = [f"CPU per task by process tree, ms: {'; '.join(by_system)}."] if by_system else []
+    two = rows["turnout"].get("two_requests_p50_ms")
+    if two is not None:
+        notes.append("Turnout's round trips are `Client.run` (one request: the submission answers once the task "
+                     f"ended); as `submit()` then `result()`, two requests, alternated with them: p50 {_num(two, 2)} ms.")  # fmt: skip
     default = rows["ray"].get("quarter_gpu_default_tasks_per_s")
     if default is not None:
         notes.append("Ray's quarter-GPU tasks reuse their workers (`max_calls=0`); at Ray's default for GPU tasks "

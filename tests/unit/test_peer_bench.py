@@ -147,6 +147,8 @@ def test_notes_give_turnouts_cpu_by_process_and_rays_default_gpu_workers() -> No
     t2["bulk"]["cpu_ms_per_task_by_role"] = {"controller": 4.0, "worker-peers": 7.5}
     ray = rep(1590, 1590, 2.13, 1.0, 1800)
     ray["quarter_gpu_default"] = {"tasks_per_s": 1.14, "all_succeeded": True}
+    t1["latency_two_requests"] = {"p50_ms": 14.0, "p99_ms": 20.0, "all_succeeded": True}
+    t2["latency_two_requests"] = {"p50_ms": 15.0, "p99_ms": 21.0, "all_succeeded": True}
     systems: dict[str, dict[str, Any]] = {
         "turnout": {"reps": [t1, t2]},
         "celery": {"skipped": "no Redis"},
@@ -160,6 +162,7 @@ def test_notes_give_turnouts_cpu_by_process_and_rays_default_gpu_workers() -> No
     assert summary["rows"]["ray"]["quarter_gpu_default_tasks_per_s"] == 1.14
     assert "CPU per task by process tree, ms: Turnout: controller 5.00, worker-peers 7.25." in text
     assert "(`max_calls=1`, a new worker process per task) they ran 1.1 tasks/s." in text
+    assert "as `submit()` then `result()`, two requests, alternated with them: p50 14.50 ms." in text
     assert "| Celery (prefork -c 2, Redis) | no Redis |" in text
 
 
