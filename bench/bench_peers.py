@@ -159,20 +159,21 @@ async def _one_by_one(client: AsyncClient, n: int, timeout_s: float) -> dict[str
 async def _latency(client: AsyncClient, n: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """Sequential round trips as `Client.run` makes them (one request), and alternated with those, as
     `submit()` then `result()` (two): equal work, one cluster."""
-    one: list[float] = []
-    two: list[float] = []
+
+    async def two_requests() -> dict[str, Any]:
+        return await (await client.submit("noop")).result(timeout=30)
+
+    ways = (lambda: client.run("noop", timeout=30), two_requests)
+    samples: tuple[list[float], list[float]] = ([], [])
     failed = [0, 0]
     for i in range(20 + n):
-        for k, samples in enumerate((one, two)):
+        for k, way in enumerate(ways):
             t0 = time.perf_counter()
-            if k == 0:
-                task = await client.run("noop", timeout=30)
-            else:
-                task = await (await client.submit("noop")).result(timeout=30)
+            task = await way()
             if i >= 20:
-                samples.append(time.perf_counter() - t0)
+                samples[k].append(time.perf_counter() - t0)
                 failed[k] += task["state"] != "succeeded"
-    return latency_figures(one, failed[0]), latency_figures(two, failed[1])
+    return latency_figures(samples[0], failed[0]), latency_figures(samples[1], failed[1])
 
 
 def _handlers(cluster: TurnoutCluster) -> int:

@@ -24,7 +24,15 @@ from typing import Any, TypeVar
 import httpx
 
 from turnout.config import DEFAULT_PORT
-from turnout.errors import HTTP_STATUS, InvalidInput, PayloadTooLarge, RateLimited, TurnoutError, Unavailable
+from turnout.errors import (
+    HTTP_STATUS,
+    InvalidInput,
+    PayloadTooLarge,
+    RateLimited,
+    TurnoutError,
+    Unavailable,
+    number,
+)
 from turnout.jsonsafe import problem
 from turnout.tls import async_client
 
@@ -40,11 +48,9 @@ WAIT_STEP_S = 30.0  # the longest one request waits for a task or run to end; a 
 def seconds_or_none(value: float | None, name: str) -> float | None:
     """A wait a caller gave: None or infinity (no limit), or a number >= 0. NaN is refused naming the argument:
     it compares false with every deadline, so a wait on it would never end."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value) or value < 0:
-        raise InvalidInput(f"{name}: expected a number of seconds >= 0, got {value!r}", field=name)
-    return float(value)
+    if value is None or value == math.inf:
+        return value
+    return number(value, name, "a number of seconds >= 0", lambda v: v >= 0)
 
 
 def default_url() -> str:
