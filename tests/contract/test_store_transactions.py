@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from sqlalchemy.exc import IntegrityError
 
 from tests.contract.test_store import _task
 from turnout.models import TaskState
@@ -54,15 +55,31 @@ def _kept(store: Store, i: int) -> list[bool]:
 def test_a_savepoint_that_raises_undoes_only_its_own_writes(store: Store) -> None:
     with store.group() as conn:
         _everything(store, 1)
-        with pytest.raises(Boom), conn.begin_nested():
+        with pytest.raises(Boom), store.savepoint(conn):
             _everything(store, 2)
             raise Boom
-        with conn.begin_nested():
+        with store.savepoint(conn):
             _everything(store, 3)
         assert store.intact(conn)
     assert _kept(store, 1) == [True] * 9
     assert _kept(store, 2) == [False] * 9
     assert _kept(store, 3) == [True] * 9
+
+
+def test_a_statement_the_database_refuses_in_a_savepoint_leaves_the_group_going(store: Store) -> None:
+    """A refused write (a duplicate id) leaves a PostgreSQL transaction unusable until it rolls back to the
+    savepoint, and SQLite with the savepoint's other writes: both are undone, and the group goes on."""
+    store.insert_token("k_1", "h1", "read", "acme", 1.0)
+    with store.group() as conn:
+        _everything(store, 2)
+        with pytest.raises(IntegrityError), store.savepoint(conn):
+            _everything(store, 3)
+            store.insert_token("k_1", "h-other", "read", "acme", 1.0)  # the id is taken
+        _everything(store, 4)
+        assert store.intact(conn)
+    assert _kept(store, 2) == [True] * 9
+    assert _kept(store, 3) == [False] * 9
+    assert _kept(store, 4) == [True] * 9
 
 
 def test_a_group_that_raises_keeps_nothing(store: Store) -> None:

@@ -449,7 +449,7 @@ class Service:
             with store.group() as conn:
                 for job in batch:
                     try:
-                        with contextlib.nullcontext() if alone else conn.begin_nested():
+                        with contextlib.nullcontext() if alone else store.savepoint(conn):
                             job.result = job.fn()  # a failing call undoes only its own writes
                     except BaseException as exc:
                         job.error = exc

@@ -6,7 +6,7 @@ Three implementations keep one contract (tests/contract runs every test over eac
 The contract, whatever the backend:
 
 - Every method is one transaction, all or nothing; inside `group()` the calls of one thread share one
-  transaction, and a `begin_nested()` savepoint undoes only its own writes when its body raises.
+  transaction, and a `savepoint()` in it undoes only its own writes when its body raises.
 - Task state changes only through `update_tasks`: conditional updates (still in one of the expected states,
   still at the expected attempt), so a late or duplicate report changes nothing.
 - Records come back as fresh values: changing what a read returned never changes the store.
@@ -55,14 +55,6 @@ def queue_pages(limit: int, widen_to: int | None) -> Iterator[tuple[int, int]]:
         yield offset, rows
         offset += rows
         rows *= 4
-
-
-class Transaction(Protocol):
-    """What `Store.group()` yields: a transaction that can open savepoints."""
-
-    def begin_nested(self) -> AbstractContextManager[object]:
-        """A savepoint: if the body raises, its writes are undone and the rest of the group stands."""
-        ...
 
 
 class TaskStore(Protocol):
@@ -285,8 +277,14 @@ class Store(TaskStore, WorkerStore, TokenStore, EventStore, Protocol):
     @property
     def files(self) -> FileRecordStore: ...
 
-    def group(self) -> AbstractContextManager[Transaction]:
-        """One transaction for everything this thread does inside, committed (durably) on exit."""
+    def group(self) -> AbstractContextManager[Any]:
+        """One transaction for everything this thread does inside, committed (durably) on exit; it yields the
+        transaction, for `savepoint` and `intact`."""
+        ...
+
+    def savepoint(self, conn: Any) -> AbstractContextManager[None]:
+        """A savepoint in `group()`'s transaction `conn`: if the body raises, its writes are undone and the rest
+        of the group stands."""
         ...
 
     def intact(self, conn: Any) -> bool:

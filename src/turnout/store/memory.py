@@ -11,7 +11,7 @@ How it keeps the contract:
   by the SQL store's own translators, so a read returns fresh values and a Task reads back as SQL would.
 - **One lock, and an undo log.** Every method runs under one re-entrant lock, so threads see each other's
   changes whole. Writes go through three primitives that log how to undo them; a transaction (each
-  method, or `group()`) that raises is rolled back to where it began, and `begin_nested()` rolls back only
+  method, or `group()`) that raises is rolled back to where it began, and a `savepoint()` rolls back only
   its own writes. A group holds the lock until it ends: readers see committed state only.
 """
 
@@ -127,16 +127,6 @@ def _truncate(items: list[Any], length: int) -> None:
     del items[length:]
 
 
-class MemoryTransaction:
-    """What `MemoryStore.group()` yields: savepoints are undo-log marks."""
-
-    def __init__(self, store: MemoryStore) -> None:
-        self._store = store
-
-    def begin_nested(self) -> contextlib.AbstractContextManager[object]:
-        return self._store._transaction()
-
-
 class MemoryStore:
     """All state in dicts of rows, under one lock. See the module docstring for how it keeps the contract."""
 
@@ -184,10 +174,14 @@ class MemoryStore:
                     self._undo.clear()
 
     @contextlib.contextmanager
-    def group(self) -> Iterator[MemoryTransaction]:
+    def group(self) -> Iterator[None]:
         """One transaction for everything inside; the lock is held till it ends (no reader sees half)."""
         with self._transaction():
-            yield MemoryTransaction(self)
+            yield
+
+    def savepoint(self, conn: Any) -> contextlib.AbstractContextManager[None]:
+        """A mark in the undo log: a body that raises undoes back to it."""
+        return self._transaction()
 
     def intact(self, conn: Any) -> bool:
         return True  # nothing outside this process can end a memory transaction early

@@ -140,7 +140,7 @@ class SqlStore:
             self.engine = sa.create_engine(url, connect_args={"check_same_thread": False, "timeout": 30},
                                            json_serializer=sqlite_json, json_deserializer=sqlite_json_value)  # fmt: skip
             sa.event.listen(self.engine, "connect", _sqlite_pragmas)
-            sa.event.listen(self.engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN"))
+            sa.event.listen(self.engine, "begin", _sqlite_begin)
         else:
             self.engine = sa.create_engine(url, pool_size=8, max_overflow=8, pool_pre_ping=True)
         self._local = threading.local()
@@ -181,6 +181,24 @@ class SqlStore:
                 yield conn
             finally:
                 self._local.conn = None
+
+    @contextlib.contextmanager
+    def savepoint(self, conn: sa.Connection) -> Iterator[None]:
+        """A savepoint in `group()`'s transaction: if the body raises, its writes are undone and the rest of
+        the group stands. Three statements straight to the driver, as SQLAlchemy's `begin_nested()` would send
+        them, at a fortieth of its CPU (about 75 against 2 us a savepoint on SQLite here): the API's database
+        thread opens one for every call it groups with another. A rollback that fails raises its own error
+        (from the body's), which is the database failing (`is_storage_failure`): the group is lost."""
+        raw = conn.connection.dbapi_connection
+        assert raw is not None
+        raw.execute("SAVEPOINT turnout_call")
+        try:
+            yield
+        except BaseException:
+            raw.execute("ROLLBACK TO SAVEPOINT turnout_call")
+            raw.execute("RELEASE SAVEPOINT turnout_call")
+            raise
+        raw.execute("RELEASE SAVEPOINT turnout_call")
 
     def intact(self, conn: sa.Connection) -> bool:
         """Whether the group's transaction is still open, so that committing it would keep all it holds."""
@@ -882,6 +900,15 @@ def _task_update_many(states: tuple[str, ...], with_attempts: bool, keys: tuple[
     sql = (f"UPDATE tasks SET {sets} FROM unnest({arrays}) AS v({', '.join(names)}) "
            f"WHERE tasks.id = v._id AND tasks.state IN ({allowed})")  # fmt: skip
     return sql + (" AND tasks.attempts = v._attempts" if with_attempts else "") + " RETURNING tasks.id"
+
+
+def _sqlite_begin(conn: sa.Connection) -> None:
+    """Begin SQLite's transaction where SQLAlchemy begins its own (see `_sqlite_pragmas`), straight to the
+    driver: half the CPU of an empty transaction through `exec_driver_sql` (26 against 51 us here), and every
+    read and write of the store opens one. A failure is the driver's error, which `is_storage_failure` knows."""
+    raw = conn.connection.dbapi_connection
+    assert raw is not None
+    raw.execute("BEGIN")
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
