@@ -346,11 +346,15 @@ class Agent:
                 delay = min(delay * 2, 5.0)
                 continue
             since = answer.get("since") if isinstance(answer.get("since"), str) else None
-            self._accept(answer, sent_as)
+            if self._accept(answer, sent_as):
+                # the tasks it started go to their processes before the next poll goes out: a warm process
+                # gets its line in their first step, and the poll's trip and the controller's look at the
+                # queue are then not on their way
+                await asyncio.sleep(0)
 
-    def _accept(self, answer: dict[str, Any], sent_as: int) -> None:
+    def _accept(self, answer: dict[str, Any], sent_as: int) -> bool:
         """Act on a lease answer (`{tasks, cancel, backlog}`) to a request sent when `sent_as` tasks had been
-        started: stop what it cancels, start what it leases."""
+        started: stop what it cancels, start what it leases; whether it started any."""
         self._backlog = bool(answer.get("backlog"))
         for task_id in answer.get("cancel", []):
             running = self.running.get(task_id)
@@ -364,7 +368,8 @@ class Agent:
                 self._unwanted -= batch
             log.info("stopping task %s: the controller no longer assigns it here", task_id)
             running.cancel()
-        for group in groups(answer.get("tasks", [])):
+        leased = groups(answer.get("tasks", []))
+        for group in leased:
             job = asyncio.create_task(self._execute(group))
             members = frozenset(lease["id"] for lease in group)
             self._started += 1
@@ -374,6 +379,7 @@ class Agent:
                 self._cpu_of[lease["id"]] = float((lease.get("resources") or {}).get("cpu") or 0.0)
                 if len(group) > 1:
                     self._batch_of[lease["id"]] = members
+        return bool(leased)
 
     def _forget(self, task_id: str) -> None:
         """The task ended here (its result is queued, or the controller stopped it)."""
