@@ -906,9 +906,7 @@ def _sqlite_begin(conn: sa.Connection) -> None:
     """Begin SQLite's transaction where SQLAlchemy begins its own (see `_sqlite_pragmas`), straight to the
     driver: half the CPU of an empty transaction through `exec_driver_sql` (26 against 51 us here), and every
     read and write of the store opens one. A failure is the driver's error, which `is_storage_failure` knows."""
-    raw = conn.connection.dbapi_connection
-    assert raw is not None
-    raw.execute("BEGIN")
+    sqlite_of(conn).execute("BEGIN")
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
