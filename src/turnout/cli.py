@@ -225,6 +225,11 @@ def worker(
     name: str | None = typer.Option(None, help="Worker name (default: host name)."),
     strategy: str = typer.Option("pack", help="GPU placement on this worker: pack or spread."),
     cpus: float | None = typer.Option(None, help="Cores to offer (default: all)."),
+    prefetch: int = typer.Option(
+        0,
+        help="Tasks to hold waiting beyond what runs, so a slot that ends starts the next at once (many short "
+        "CPU tasks); 0: none.",
+    ),
     heartbeat_s: float = typer.Option(5.0, help="Heartbeat period."),
     canary: str | None = typer.Option(
         None, help="Command that must exit 0 before a quarantined GPU is used again."
@@ -289,7 +294,8 @@ def worker(
                              name=name or socket.gethostname(), gpus=gpus, strategy=strategy, cpus=cpus,
                              heartbeat_s=heartbeat_s, canary_command=shlex.split(canary) if canary else None,
                              canary_backoff_s=canary_backoff_s, scrub_command=scrub_command, ca_cert=ca_cert,
-                             storage=storage.expanduser() if storage else None, channel=channel)  # fmt: skip
+                             storage=storage.expanduser() if storage else None, channel=channel,
+                             prefetch=prefetch)  # fmt: skip
     discovery = discover(gpus)
     from turnout.worker import containment as kernel
 

@@ -107,6 +107,8 @@ class LeaseAsk:
     # only for work the results it rides on queue themselves (a pipeline's next stage, a retry): the worker
     # asks because they may, and the controller alone knows whether they did
     if_queued: bool = False
+    prefetch: int = 0  # tasks it would hold waiting beyond what runs (`Controller.lease`)
+    waiting: Sequence[str] = ()  # of `running`, those still waiting there for a free slot
 
 
 @dataclass(frozen=True)
@@ -402,6 +404,8 @@ class Controller:
         tenant: str = ALL_TENANTS,
         listed_at: float | None = None,
         watching: Sequence[str] = (),
+        prefetch: int = 0,
+        waiting: Sequence[str] = (),
     ) -> LeaseResult:
         """Give the worker queued tasks that fit its free resources, routed per their `gpu` value.
 
@@ -415,6 +419,14 @@ class Controller:
         for tasks it listed. `tenant` is whom the worker serves ("*": every tenant,
         taken in turn). A tenant at its GPU quota (`max_gpus`) or over its GPU allocation rate gets no GPU now:
         its GPU-only tasks stay queued, the others route as if the GPUs were busy.
+
+        `prefetch`: with its room full, the worker takes up to this many more tasks to hold waiting for a free
+        slot (as smallest-variant slots' worth of CPU), so a slot that ends starts the next at once instead of
+        idling through the round trip that reports it: a task routed to the CPU with no GPU and no batch, never
+        where the room is kept for tenants (`reserved_share`). Those are `ahead` (Allocation.ahead); the worker
+        lists the ones that have not started in `waiting`: they do not count against its room for what starts
+        at once, nor as started. Taking ahead stops at a queued task that would run here once room frees but may
+        not wait (a GPU, a batch): what is taken ahead of it would take that room first, for ever.
 
         Room is computed from the store, after waiting for any other lease of this worker to commit
         (`hold_worker`): two requests at once, on one controller or two, never over-commit it.
@@ -442,8 +454,9 @@ class Controller:
         fresh = tuple(tid for tid in mine if tid not in held)  # a chained one's lease dates from its start
         # a task shows `running` once it has run a moment: a short one goes leased -> succeeded with no extra
         # write (and fsync) on its path; its started_at comes with its result
-        started = [t for t in mine.values() if t.state is TaskState.LEASED and t.id in set(running)
-                   and now - (t.leased_at or now) >= RUNNING_AFTER_S]  # fmt: skip
+        waits = set(waiting)
+        started = [t for t in mine.values() if t.state is TaskState.LEASED and t.id in held
+                   and t.id not in waits and now - (t.leased_at or now) >= RUNNING_AFTER_S]  # fmt: skip
         if started:
             self.store.update_tasks(
                 [
@@ -453,9 +466,12 @@ class Controller:
             )
         if worker.state is not WorkerState.HEALTHY or max_tasks <= 0:
             return LeaseResult([], cancel, fresh=fresh, finished=finished, offers=offers)
-        room = placement.room_of(worker, list(mine.values()))
+        room = placement.room_of(worker, [t for t in mine.values() if t.id not in waits])
         smallest = placement.smallest_cpu(worker)
-        if room.cpu + 1e-9 < smallest:
+        shares = self._reservations(worker, mine.values(), tenant, now)  # tenancy.Reservations
+        # what it may hold running and waiting together (None: no prefetch)
+        ahead = placement.ahead_room(worker, list(mine.values()), prefetch) if shares is None else None
+        if room.cpu + 1e-9 < smallest and not placement.has_room(ahead, smallest):
             # nothing it offers fits now
             return LeaseResult(
                 [], cancel, full=True, backlog=True, fresh=fresh, finished=finished, offers=offers
@@ -465,20 +481,30 @@ class Controller:
         book = BatchBook()  # batched variants: tasks that ride on their leader's grant (batching.py)
         # read what fits and one more (to tell the worker more waits); further, in growing pages, only while
         # the head of the queue is not for us (store.base.queue_pages): each row read costs its decoding
-        slots = min(max_tasks, int((room.cpu + 1e-9) / smallest) if smallest > 0 else max_tasks)
+        free_cpu = max(room.cpu, ahead.cpu if ahead is not None else 0.0)
+        slots = min(max_tasks, int((free_cpu + 1e-9) / smallest) if smallest > 0 else max_tasks)
         window = min(self.settings.lease_window, slots + 1)
-        shares = self._reservations(worker, mine.values(), tenant, now)  # tenancy.Reservations
         if shares is not None and not shares.anyone_may_take(smallest, room.cpu):
             # what is free here is kept for tenants with none queued
             barred = shares.barred(smallest, room.cpu)
             return LeaseResult([], cancel, fresh=fresh, finished=finished, offers=offers, barred=barred)
         placed: list[tuple[Task, placement.Placement]] = []
+        ahead_of: set[str] = set()  # the placed tasks that wait on the worker for room
         seen = 0
         for task in self._queue({v.capability for v in worker.variants}, window, tenant):
             seen += 1
-            if len(placed) >= max_tasks or (room.cpu + 1e-9 < smallest and not book.has_room()):
+            if len(placed) >= max_tasks or (room.cpu + 1e-9 < smallest and not book.has_room()
+                                            and not placement.has_room(ahead, smallest)):  # fmt: skip
                 break
             where = placement.place(task, worker, room, facts, now=now, book=book)
+            if where is None and ahead is not None and placement.has_room(ahead, smallest):
+                where = placement.place(task, worker, ahead, facts, now=now)
+                if where is not None and not placement.may_wait(where):
+                    # it would run here once room frees (a GPU, a batch): what is taken ahead of it would take
+                    # that room first, task after task, so nothing more is
+                    where, ahead = None, None
+                elif where is not None:
+                    ahead_of.add(task.id)
             if where is None:
                 continue
             if where.riding is not None:
@@ -488,7 +514,10 @@ class Controller:
                     break  # the rest is kept for tenants with nothing queued: read no further
                 continue  # the rest of this shared worker is another tenant's reserved_share
             else:
-                room.take(task, where)
+                if task.id not in ahead_of:
+                    room.take(task, where)
+                if ahead is not None:
+                    ahead.take(task, where)
                 facts.record(task, where)
                 if where.batch is placement.BatchRole.LEADER:
                     book.start(task, where.device, where.variant, where.grant, where.gpu_share,
@@ -503,14 +532,16 @@ class Controller:
             retry_in_s = min(b.wait_left_s(now) for b in filling)
         leases: list[Lease] = []
         if placed:
-            leased = [_leased(task, where, worker_id, now, book) for task, where in placed]
+            leased = [_leased(task, where, worker_id, now, book, ahead=task.id in ahead_of)
+                      for task, where in placed]  # fmt: skip
             won = set(self.store.update_tasks([change for change, _ in leased]))
             leases = [lease for _, lease in leased if lease.task.id in won]
             allocated = [lease for lease in leases if lease.grant and lease.batch in (None, lease.task.id)]
             for lease in allocated:  # a batch still filling or a lost race allocated nothing: no token taken
                 self.gpu_allocations.take(lease.task.tenant)
             self._audit_allocations(worker_id, allocated, now)
-        full = bool(leases) and room.cpu + 1e-9 < smallest  # what it was given filled it
+        # what it was given filled it
+        full = bool(leases) and room.cpu + 1e-9 < smallest and not placement.has_room(ahead, smallest)
         return LeaseResult(leases, cancel, full=full, retry_in_s=retry_in_s, backlog=backlog, fresh=fresh,
                            finished=finished, offers=offers, looked=True)  # fmt: skip
 
@@ -629,7 +660,8 @@ class Controller:
             queued_here = bool(queued) or any(not c.succeeded for c in completions if c.task_id in done)
             try:
                 if (queued_here or not ask.if_queued) and self._tenants_queued():
-                    got = self.offer(worker_id, max_tasks=ask.max_tasks, running=running, tenant=ask.tenant)
+                    got = self.offer(worker_id, max_tasks=ask.max_tasks, running=running, tenant=ask.tenant,
+                                     prefetch=ask.prefetch, waiting=ask.waiting)  # fmt: skip
             except NotFound:  # it left (or was never here): its verdicts stand, and it gets no work
                 pass
         return Exchange(accepted, refused, queued, got, settled.chains, settled.runs, ended_tasks, ended_runs)
@@ -887,6 +919,8 @@ class Controller:
                 lost.append(t)
                 continue
             since = t.started_at or t.leased_at
+            if t.alloc is not None and t.alloc.ahead and t.started_at is None:
+                since = None  # it waits on its worker for a free slot: its time starts when it does
             if (
                 t.spec.timeout_s is not None
                 and since is not None
@@ -1139,7 +1173,7 @@ def _no_capacity(task: Task) -> dict[str, Any]:
 
 
 def _leased(task: Task, where: placement.Placement, worker_id: str, now: float,
-            book: BatchBook) -> tuple[Change, Lease]:  # fmt: skip
+            book: BatchBook, *, ahead: bool = False) -> tuple[Change, Lease]:  # fmt: skip
     """The row change that leases `task` as placed, and what the worker receives for it."""
     gpus = where.gpus()
     kept = task.routing.carried() if task.routing else Routing()
@@ -1150,14 +1184,15 @@ def _leased(task: Task, where: placement.Placement, worker_id: str, now: float,
     else:
         lease_batch = task.id if where.batch is placement.BatchRole.LEADER else None
         alloc = Allocation(cpu=where.resources.cpu, memory=where.resources.memory_bytes,
-                           gpu_share=where.gpu_share if where.grant is not None else None, batch=lease_batch)  # fmt: skip
+                           gpu_share=where.gpu_share if where.grant is not None else None, batch=lease_batch,
+                           ahead=ahead)  # fmt: skip
     values = {"state": TaskState.LEASED, "worker_id": worker_id, "device": where.device, "gpus": gpus,
               "gpu_model": where.grant.model if where.grant else None, "routing": routing, "leased_at": now,
               "attempts": task.attempts + 1, "unservable_since": None, "alloc": alloc}  # fmt: skip
     leased = replace(task, state=TaskState.LEASED, worker_id=worker_id, device=where.device, gpus=gpus,
                      routing=routing, attempts=task.attempts + 1, leased_at=now)  # fmt: skip
     return (task.id, (TaskState.QUEUED,), task.attempts, values), Lease(
-        leased, where.device, where.resources, gpus, lease_batch
+        leased, where.device, where.resources, gpus, lease_batch, ahead=ahead
     )
 
 

@@ -189,12 +189,17 @@ class Allocation:
     gpu_share: float | None = None  # of the GPU it holds; None without a GPU
     batch: str | None = None  # the batch it is in, leader or rider
     batch_attempt: int | None = None  # a rider's: its leader's attempt
+    # leased ahead of a free slot (the worker's `prefetch`): it waits on the worker until room frees there, and
+    # its timeout counts from when it starts, not from its lease
+    ahead: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"cpu": self.cpu, "memory": self.memory}
         for name in ("gpu_share", "batch", "batch_attempt"):
             if (value := getattr(self, name)) is not None:
                 out[name] = value
+        if self.ahead:
+            out["ahead"] = True
         return out
 
     @classmethod
@@ -204,7 +209,7 @@ class Allocation:
         share, attempt = d.get("gpu_share"), d.get("batch_attempt")
         return cls(cpu=float(d.get("cpu") or 0), memory=int(d.get("memory") or 0),
                    gpu_share=None if share is None else float(share), batch=d.get("batch"),
-                   batch_attempt=None if attempt is None else int(attempt))  # fmt: skip
+                   batch_attempt=None if attempt is None else int(attempt), ahead=bool(d.get("ahead")))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -271,6 +276,7 @@ class Lease:
     grant: GpuGrant | None
     batch: str | None = None  # the leader's task id, for every task leased in a batch (batching.py)
     chain: tuple[ChainStep, ...] = ()  # the pipeline stages after this one that may run right after it, here
+    ahead: bool = False  # leased ahead of a free slot: it waits on the worker for room (Allocation.ahead)
 
 
 @dataclass(frozen=True)

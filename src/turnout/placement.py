@@ -81,6 +81,29 @@ def room_of(worker: Worker, active: Sequence[Task]) -> Room:
     return Room(cpu, memory, units, usage_from_grants(grants), strategy_of(worker.strategy))
 
 
+def ahead_room(worker: Worker, active: Sequence[Task], prefetch: int) -> Room | None:
+    """What a worker with `prefetch` may still take to hold waiting for a free slot: its room counting every
+    task it holds (running or waiting), widened by `prefetch` slots of its smallest variant; None: no
+    prefetch."""
+    if prefetch <= 0:
+        return None
+    room = room_of(worker, active)
+    room.cpu += prefetch * smallest_cpu(worker)
+    room.memory_bytes += prefetch * max((v.resources.memory_bytes for v in worker.variants), default=0)
+    return room
+
+
+def has_room(room: Room | None, smallest: float) -> bool:
+    """Whether `room` (None: none at all) has the CPU for the worker's smallest variant."""
+    return room is not None and room.cpu + 1e-9 >= smallest
+
+
+def may_wait(where: Placement) -> bool:
+    """Whether a task placed so may wait on its worker for a free slot (`ahead_room`): only on a CPU variant
+    with no GPU and no batch. A GPU, or a batch's wait for riders, is never held idle behind another task."""
+    return where.device is Device.CPU and where.grant is None and where.batch is BatchRole.SOLO
+
+
 def try_gpu(room: Room, res: Resources, task: Task) -> GpuGrant | None:
     """GPUs on this worker for `res` now, chosen by the worker's strategy; None if none fit."""
     if not fits(room, res) or not room.units:

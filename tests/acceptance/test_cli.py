@@ -128,6 +128,11 @@ def test_a_port_another_process_holds_is_one_line_before_anything_is_made(tmp_pa
         (["worker", "no_such_module:app", "--cpus", "1e400"], "--cpus: inf is not a positive number"),
         (["worker", "no_such_module:app", "--cpus", "-1"], "--cpus: -1.0 is not a positive number"),
         (["worker", "no_such_module:app", "--heartbeat-s", "0"], "--heartbeat-s: 0.0 is not a positive"),
+        (
+            ["worker", "no_such_module:app", "--prefetch", "-1"],
+            "--prefetch: -1 is not a number of tasks",
+        ),
+        (["worker", "no_such_module:app", "--prefetch", "5000"], "--prefetch: 5000 is not a number of tasks"),
         (["controller", "--heartbeat-s", "nan"], "--heartbeat-s: nan is not a positive number of seconds"),
         (["controller", "--config", "{config}"], "turnout.yaml: file_retention_s: expected seconds >= 0"),
     ],

@@ -2,7 +2,8 @@
 
     POST /v1/workers/register            (worker token) -> 201 {id, heartbeat_s, secret, serves, features}
     POST /v1/workers/{id}/heartbeat      {metrics?, quarantined?} -> {state, heartbeat_s}
-    POST /v1/workers/{id}/lease          {max_tasks, running, wait_s} long poll -> {tasks, cancel, backlog}
+    POST /v1/workers/{id}/lease          {max_tasks, running, wait_s, prefetch?, waiting?} long poll
+                                         -> {tasks, cancel, backlog}
     POST /v1/workers/{id}/complete       {results, lease?} -> {accepted, refused} (and with lease: the next work)
     POST /v1/workers/{id}/events         {events: [{task_id, attempt, event}]} -> {stored}
     POST /v1/workers/{id}/scrubs         GPU scrubs it ran between tenants -> {stored}
@@ -119,6 +120,7 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> WorkerRoutes:
         handed_upto = 0  # the hand-overs to its worker this poll has taken into `watching`
         deadline = time.monotonic() + min(body.wait_s, ctrl.settings.max_lease_wait_s)
         running = list(body.running)
+        waiting = list(body.waiting)  # of `running`, what has not started there yet
         watching: list[str] = []  # leased to it since `running` was written: it may hold them unlisted
         mine = service.worker_signal(worker_id)
         since = body.since  # its last answer's epoch: unchanged, there is nothing new to look for yet
@@ -131,7 +133,8 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> WorkerRoutes:
             handed, handed_upto = service.handed_since(worker_id, arrived - LISTED_BEFORE_S, handed_upto)
             watching = list(dict.fromkeys([*watching, *handed]))
             return functools.partial(ctrl.offer, worker_id, max_tasks=body.max_tasks, running=list(running),
-                                     tenant=me.tenant, listed_at=listed_at, watching=list(watching))  # fmt: skip
+                                     tenant=me.tenant, listed_at=listed_at, watching=list(watching),
+                                     prefetch=body.prefetch, waiting=list(waiting))  # fmt: skip
 
         with service.queue_poll(worker_id, me.tenant) as poll:
             while True:
@@ -158,6 +161,7 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> WorkerRoutes:
                     service.pass_on(unseen, poll)
                 gone = {*result.cancel, *result.finished}
                 running = [tid for tid in running if tid not in gone]
+                waiting = [tid for tid in waiting if tid not in gone]
                 watching = [tid for tid in dict.fromkeys([*watching, *result.fresh]) if tid not in gone]
                 left = deadline - time.monotonic()
                 if result.leases or result.cancel or left <= 0 or service.closing.is_set():

@@ -240,8 +240,9 @@ class HeartbeatIn(Strict):
 # What this controller's worker protocol offers beyond the first version, named in the register answer so a
 # worker uses only what its controller understands: "complete_lease": `complete` may carry `lease`; "chain":
 # chained pipeline stages; "lease_if_queued": that lease may ask only for what the results themselves queue;
-# "channel": leases and reports may go over the WebSocket `/v1/workers/{id}/channel` (api/channel.py).
-WORKER_FEATURES = ("complete_lease", "chain", "lease_if_queued", "channel")
+# "channel": leases and reports may go over the WebSocket `/v1/workers/{id}/channel` (api/channel.py);
+# "prefetch": a lease may ask for tasks to hold waiting beyond what runs (`prefetch`, `waiting`).
+WORKER_FEATURES = ("complete_lease", "chain", "lease_if_queued", "channel", "prefetch")
 
 
 class LeaseAskIn(Strict):
@@ -249,10 +250,13 @@ class LeaseAskIn(Strict):
 
     max_tasks: int = Field(16, ge=0, le=1000)
     running: list[TaskId] = Field(default_factory=list)
+    prefetch: int = Field(0, ge=0, le=1000)  # tasks to hold waiting beyond what runs (`Controller.lease`)
+    waiting: list[TaskId] = Field(default_factory=list)  # of `running`, those not started yet
 
     def to_ask(self, tenant: str) -> LeaseAsk:
         """The ask of a worker that serves `tenant` (its credential's, never the body's)."""
-        return LeaseAsk(self.max_tasks, tuple(self.running), tenant)
+        return LeaseAsk(self.max_tasks, tuple(self.running), tenant, prefetch=self.prefetch,
+                        waiting=tuple(self.waiting))  # fmt: skip
 
 
 class CompleteLeaseIn(LeaseAskIn):
@@ -262,7 +266,7 @@ class CompleteLeaseIn(LeaseAskIn):
     if_queued: bool = False
 
     def to_ask(self, tenant: str) -> LeaseAsk:
-        return LeaseAsk(self.max_tasks, tuple(self.running), tenant, if_queued=self.if_queued)
+        return dataclasses.replace(super().to_ask(tenant), if_queued=self.if_queued)
 
 
 class LeaseIn(LeaseAskIn):
@@ -378,7 +382,7 @@ def lease_out(le: Lease) -> dict[str, Any]:
             "input": t.spec.input, "resources": le.resources.to_dict(), "gpus": le.grant.to_dict() if le.grant else None, "timeout_s": t.spec.timeout_s,
             "labels": t.spec.labels, "tenant": t.tenant, "routing": t.routing.to_dict() if t.routing else None, "batch": le.batch,
             "chain": [{"stage": c.stage, "capability": c.capability, "timeout_s": c.timeout_s, "labels": c.labels}
-                      for c in le.chain]}  # fmt: skip
+                      for c in le.chain], **({"ahead": True} if le.ahead else {})}  # fmt: skip
 
 
 def leases_out(result: LeaseResult) -> dict[str, Any]:

@@ -51,9 +51,11 @@ from turnout.worker.reports import (
     refused_completion,
     with_event_failure,
 )
+from turnout.worker.slots import Slots
 
 log = logging.getLogger("turnout.worker")
 MAX_REPORT_BATCH = 5000
+MAX_PREFETCH = 1000  # the lease request's limit
 # a report's ask for work: "always", or "if_queued": only for what its results queue themselves
 WorkAsk = Literal["always", "if_queued"]
 
@@ -69,6 +71,7 @@ class AgentSettings:
     memory_bytes: int | None = None  # default: this host's memory
     heartbeat_s: float = 5.0
     max_lease: int = 64
+    prefetch: int = 0  # tasks to hold waiting beyond what runs, so a slot that ends starts the next at once
     drain_grace_s: float = 30.0
     canary_command: list[str] | None = None  # re-admits a quarantined GPU when it exits 0
     canary_backoff_s: float = 30.0  # first wait before a quarantined GPU's canary; doubles on failure
@@ -92,6 +95,14 @@ class AgentSettings:
                                field="drain_grace_s")  # fmt: skip
         if self.max_lease < 1:
             raise InvalidInput(f"max_lease: {self.max_lease!r} is not 1 or more", field="max_lease")
+        if not 0 <= self.prefetch <= MAX_PREFETCH:
+            raise InvalidInput(f"--prefetch: {self.prefetch!r} is not a number of tasks from 0 to {MAX_PREFETCH}",
+                               field="prefetch")  # fmt: skip
+
+
+def _job_cpu(leases: list[dict[str, Any]]) -> float:
+    """The CPU one job holds: its first lease's (a batch's riders hold none of their own)."""
+    return float((leases[0].get("resources") or {}).get("cpu") or 0.0)
 
 
 def jittered(delay_s: float) -> float:
@@ -154,6 +165,9 @@ class Agent:
         self._asks_work: dict[str, bool] = {}
         self._cpu_of: dict[str, float] = {}  # running task id -> the CPU its lease holds
         self.chains = ChainBook()  # pipeline stages started here before their tasks exist (chains.py)
+        # with `prefetch`: the CPU held by jobs running here, and the tasks waiting for it (slots.py)
+        self._slots = Slots(self._cpus()) if settings.prefetch else None
+        self._waiting: set[str] = set()
 
     @property
     def worker_id(self) -> str | None:
@@ -317,6 +331,18 @@ class Agent:
             self._stop_reason[task_id] = error
             running.cancel()
 
+    def _ask(self) -> dict[str, Any]:
+        """A request for work: how many tasks at most, what this worker holds, and with `prefetch`, how many
+        it would hold waiting and which of those it holds have not started."""
+        ask: dict[str, Any] = {"max_tasks": self.settings.max_lease, "running": self._held()}
+        if self.settings.prefetch and "prefetch" in self.client.features:
+            ask["prefetch"] = self.settings.prefetch
+            ask["waiting"] = sorted(self._waiting)
+        return ask
+
+    def _cpus(self) -> float:
+        return self.settings.cpus or float(os.cpu_count() or 1)
+
     def _held(self) -> list[str]:
         """What this worker holds: running, or finished with its result not yet sent. The controller re-queues
         a lease the worker does not list (its answer was lost), so a lease request lists all of these."""
@@ -330,7 +356,7 @@ class Agent:
             if not self._leasing:
                 return
             sent_as = self._started
-            ask: dict[str, Any] = {"max_tasks": self.settings.max_lease, "running": self._held()}
+            ask = self._ask()
             if since is not None:
                 ask["since"] = since
             since = None
@@ -390,7 +416,7 @@ class Agent:
 
     def _full(self) -> bool:
         """Whether the tasks running here leave no room for the smallest variant (as the controller counts CPU)."""
-        cpus = self.settings.cpus or float(os.cpu_count() or 1)
+        cpus = self._cpus()
         smallest = min((r.variant.resources.cpu for r in self.runnables.values()), default=0.0)
         return sum(self._cpu_of.values()) + smallest > cpus + 1e-9
 
@@ -411,25 +437,53 @@ class Agent:
         leases no more (it is stopping) or its controller does not take a lease there."""
         if not self._leasing or "complete_lease" not in self.client.features:
             return None
-        ask: dict[str, Any] = {"max_tasks": self.settings.max_lease, "running": self._held()}
+        ask = self._ask()
         if want == "if_queued" and "lease_if_queued" in self.client.features:
             ask["if_queued"] = True
         return encode(ask), self._started
 
-    async def _execute(self, leases: list[dict[str, Any]]) -> None:
+    async def _execute(self, leases: list[dict[str, Any]], handed: float | None = None) -> None:
         """Run one job (a task, or a batch: `executors.py`) and queue each task's result, in lease order.
 
-        Each task keeps its own events, its own result, and its share of the run and cold-start seconds.
+        Each task keeps its own events, its own result, and its share of the run and cold-start seconds. With
+        `prefetch`, the job first waits for room here (slots.py); `handed`: the CPU of the stage before it,
+        whose room it takes over.
         """
         sinks = [self._sink_for(lease["id"], lease["attempt"]) for lease in leases]
+        cpu = _job_cpu(leases)
+        slots, kept = self._slots, False
+        if slots is not None:
+            if handed is not None:
+                slots.hand_over(handed, cpu)
+            elif not await self._hold(slots, leases, cpu):
+                return
         try:
             ran = await self.executor.run(leases, sinks, lambda: self._stopped(leases))
         except asyncio.CancelledError:
             return  # the controller asked us to stop: it already knows
-        self._queue_results(leases, ran)
+        else:
+            kept = self._queue_results(leases, ran, cpu)
+        finally:
+            if slots is not None and not kept:
+                slots.release(cpu)  # before the report is sent: a waiting task starts first
+        if not kept:  # a chained stage's result goes with the next stage's (`_hold_over`)
+            self._completions_ready.set()
         # the result (and the next lease) go out first; the empty directories can go while they travel
         await asyncio.sleep(0)
         await self.executor.clean(ran.files)
+
+    async def _hold(self, slots: Slots, leases: list[dict[str, Any]], cpu: float) -> bool:
+        """Wait for room for the job here; False: it was stopped while it waited (its books are closed)."""
+        ids = [lease["id"] for lease in leases]
+        self._waiting.update(ids)
+        try:
+            await slots.hold(cpu, ahead=bool(leases[0].get("ahead")))
+            return True
+        except asyncio.CancelledError:
+            self._stopped(leases)
+            return False
+        finally:
+            self._waiting.difference_update(ids)
 
     def _stopped(self, leases: list[dict[str, Any]]) -> dict[str, Any] | None:
         """The job was cancelled: forget its tasks, and say why if the worker itself stopped one (None: the
@@ -443,8 +497,9 @@ class Agent:
             return None
         return next(r for r in reasons if r is not None)
 
-    def _queue_results(self, leases: list[dict[str, Any]], ran: Ran) -> None:
-        """Queue each task's checked result; start the pipeline stage it chains, if any (chains.py)."""
+    def _queue_results(self, leases: list[dict[str, Any]], ran: Ran, cpu: float) -> bool:
+        """Queue each task's checked result (for the sender, which the caller wakes); start the pipeline stage
+        it chains, if any (chains.py), which takes over the job's `cpu`: whether it did."""
         first = leases[0]
         frees_room = self._full() or bool(first.get("gpus"))  # room the long poll was not waiting with
         chained: dict[str, Any] | None = None  # the next pipeline stage, started here at once
@@ -452,7 +507,7 @@ class Agent:
             self._forget(lease["id"])
             checked = checked_completion(ran.completion(i, lease))
             if checked["status"] == "succeeded" and len(leases) == 1:  # a batch of one chains as a task does
-                chained = self._chain_after(lease, checked["output"])
+                chained = self._chain_after(lease, checked["output"], cpu)
                 if chained is not None:
                     checked["chain"] = chained["id"]
             if frees_room:
@@ -463,10 +518,10 @@ class Agent:
                 self._asks_work[lease["id"]] = False  # it may queue work: a retry, the run's next stage
             self._completions.append(checked)
         if chained is not None:  # its result waits a moment for the next stage's, to go in one report
-            self._start_chained(first["id"], chained)
+            self._start_chained(first["id"], chained, cpu)
             asyncio.get_running_loop().call_later(CHAIN_HOLD_S, self._hold_over, first["id"])
-        else:
-            self._completions_ready.set()
+            return True
+        return False
 
     def _hold_over(self, task_id: str) -> None:
         """A result held for the stage chained after it waited its `CHAIN_HOLD_S`: send it, if it is still here.
@@ -475,17 +530,19 @@ class Agent:
         if any(c.get("task_id") == task_id for c in self._completions):
             self._completions_ready.set()
 
-    def _chain_after(self, lease: dict[str, Any], output: Any) -> dict[str, Any] | None:
+    def _chain_after(self, lease: dict[str, Any], output: Any, held: float) -> dict[str, Any] | None:
         """The lease of the pipeline stage to start here right after `lease` succeeded, if the controller listed
-        one, this worker serves it, is not stopping, and has room for it (chains.py)."""
+        one, this worker serves it, is not stopping, and has room for it (chains.py): with `prefetch`, the room
+        the stage before it `held` and passes on."""
         steps = lease.get("chain")
         if not steps or not self._leasing or "chain" not in self.client.features:
             return None
         runnable = self.executor.runnable(steps[0].get("capability"), Device.CPU.value)
         if runnable is None:
             return None
-        cpus = self.settings.cpus or float(os.cpu_count() or 1)
-        if sum(self._cpu_of.values()) + runnable.variant.resources.cpu > cpus + 1e-9:
+        need = runnable.variant.resources.cpu
+        running = self._slots.used - held if self._slots is not None else sum(self._cpu_of.values())
+        if running + need > self._cpus() + 1e-9:
             return None
         try:
             return chained_lease(lease, output, runnable.variant.resources.to_dict())
@@ -493,10 +550,11 @@ class Agent:
             log.exception("task %s: could not chain the stage after it; it is queued instead", lease["id"])
             return None
 
-    def _start_chained(self, parent: str, lease: dict[str, Any]) -> None:
-        """Run the chained stage now; it stays unconfirmed until the parent's result is answered."""
+    def _start_chained(self, parent: str, lease: dict[str, Any], held: float) -> None:
+        """Run the chained stage now, in the room its parent `held`; it stays unconfirmed until the parent's
+        result is answered."""
         self.chains.start(parent, lease["id"])
-        self.running[lease["id"]] = asyncio.create_task(self._execute([lease]))
+        self.running[lease["id"]] = asyncio.create_task(self._execute([lease], handed=held))
         self._cpu_of[lease["id"]] = float(lease["resources"].get("cpu") or 0.0)
 
     def _settle_chains(self, answer: dict[str, Any]) -> None:

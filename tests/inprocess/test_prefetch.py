@@ -1,0 +1,188 @@
+"""A worker's `prefetch` on the controller itself (fake clock, memory store and SQLite): tasks leased ahead
+of a free slot, how many, which ones, and what they never do (hold a GPU, starve a GPU task, time out while
+they wait)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from tests.inprocess.conftest import Api
+from tests.inprocess.harness import HEARTBEAT_S, SHOUT_CPU, SHOUT_GPU, Harness
+from turnout.config import ControllerSettings
+from turnout.controller import LeaseAsk, LeaseResult
+from turnout.models import Completion, Device, GpuMode, Lease, TaskState, Variant
+from turnout.resources import parse_resources
+from turnout.store import open_store
+from turnout.tenancy import RECENT_S, parse_limits
+
+RENDER_GPU = Variant("render", Device.GPU, parse_resources({"cpu": 1, "gpu": 1}))
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+def h(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]:
+    store = open_store("memory://" if request.param == "memory" else f"sqlite:///{tmp_path / 'turnout.db'}")
+    try:
+        yield Harness(store=store)
+    finally:
+        store.close()
+
+
+def lease(h: Harness, w: str, running: Sequence[str] = (), waiting: Sequence[str] = (),
+          prefetch: int = 2) -> LeaseResult:  # fmt: skip
+    return h.ctrl.lease(w, max_tasks=16, running=list(running), prefetch=prefetch, waiting=list(waiting))
+
+
+def ids(leases: Sequence[Lease]) -> list[str]:
+    return [le.task.id for le in leases]
+
+
+def test_a_full_worker_takes_prefetch_more_tasks_marked_ahead_and_no_more(h: Harness) -> None:
+    w = h.worker(cpu=2.0)
+    tasks = [h.submit(gpu=GpuMode.NEVER) for _ in range(7)]
+    got = lease(h, w)
+    assert ids(got.leases) == tasks[:4]  # its 2 slots, then 2 ahead, oldest first
+    assert [le.ahead for le in got.leases] == [False, False, True, True]
+    assert [h.task(t).alloc.ahead for t in tasks[:4]] == [False, False, True, True]  # type: ignore[union-attr]
+    assert got.full and got.backlog  # the poll parks for freed room: more waits
+    # asked again with all four held (two waiting): nothing more
+    again = lease(h, w, running=tasks[:4], waiting=tasks[2:4])
+    assert (again.leases, again.full) == ([], True)
+
+
+def test_without_prefetch_a_worker_takes_only_what_fits(h: Harness) -> None:
+    w = h.worker(cpu=2.0)
+    tasks = [h.submit(gpu=GpuMode.NEVER) for _ in range(4)]
+    got = lease(h, w, prefetch=0)
+    assert ids(got.leases) == tasks[:2] and not any(le.ahead for le in got.leases)
+
+
+def test_a_result_refills_what_started_from_the_waiting_ones(h: Harness) -> None:
+    w = h.worker(cpu=2.0)
+    tasks = [h.submit(gpu=GpuMode.NEVER) for _ in range(7)]
+    first = lease(h, w).leases
+    # the first ended; the first waiting one started in its slot; its report asks for work
+    done = Completion(first[0].task.id, first[0].task.attempts, True, {"ok": True}, run_s=0.01)
+    ask = LeaseAsk(16, tuple(tasks[1:4]), prefetch=2, waiting=(tasks[3],))
+    exchange = h.ctrl.exchange(w, [done], ask)
+    assert exchange.accepted == [tasks[0]]
+    assert exchange.lease is not None and ids(exchange.lease.leases) == [tasks[4]]
+    assert exchange.lease.leases[0].ahead  # room held by two running and one waiting: it waits too
+
+
+def test_a_task_that_started_from_waiting_shows_running_and_times_out_from_its_start(h: Harness) -> None:
+    w = h.worker(cpu=1.0)
+    slow, waiting = h.submit(gpu=GpuMode.NEVER), h.submit(gpu=GpuMode.NEVER, timeout_s=5)
+    lease(h, w, prefetch=1)
+    # the first runs for a long while; the second waits all that time, past its own timeout: never failed
+    for _ in range(10):
+        h.silent_for(2.0, w)
+        lease(h, w, running=[slow, waiting], waiting=[waiting], prefetch=1)
+        h.ctrl.reap()
+    assert (h.state(slow), h.state(waiting)) == (TaskState.RUNNING, TaskState.LEASED)
+    assert h.task(waiting).started_at is None
+    # the first ended; the waiting one started: listed as running, it shows so, and its timeout counts from now
+    h.ctrl.complete(w, [Completion(slow, 1, True, {"ok": True}, run_s=20.0)])
+    started_at = h.clock.now
+    lease(h, w, running=[waiting], prefetch=1)
+    assert (h.state(waiting), h.task(waiting).started_at) == (TaskState.RUNNING, started_at)
+    h.silent_for(4.0, w)
+    h.ctrl.reap()
+    assert h.state(waiting) is TaskState.RUNNING
+    h.silent_for(5 + HEARTBEAT_S, w)
+    h.ctrl.reap()
+    task = h.task(waiting)
+    assert (task.state, (task.error or {}).get("type")) == (TaskState.FAILED, "timeout")
+
+
+def test_a_gpu_task_is_never_leased_ahead_nor_starved_by_cpu_tasks_taken_ahead(h: Harness) -> None:
+    w = h.worker(cpu=1.0, gpus=1, variants=(SHOUT_CPU, RENDER_GPU))
+    cpu_tasks = [h.submit(gpu=GpuMode.NEVER) for _ in range(2)]
+    render = h.submit("render", gpu=GpuMode.REQUIRE)
+    more = [h.submit(gpu=GpuMode.NEVER) for _ in range(3)]
+    got = lease(h, w)
+    # one slot: the first CPU task runs, the second waits; the GPU task is next in the queue and cannot wait,
+    # so nothing is taken ahead past it (else each CPU task after it would take the slot it needs first)
+    assert ids(got.leases) == cpu_tasks and [le.ahead for le in got.leases] == [False, True]
+    # the first ended and the waiting one took its slot: still nothing ahead of the GPU task
+    h.ctrl.complete(w, [Completion(cpu_tasks[0], 1, True, {"ok": True})])
+    assert lease(h, w, running=[cpu_tasks[1]]).leases == []
+    # the slot frees: the GPU task is leased for it, not ahead, holding its GPU
+    h.ctrl.complete(w, [Completion(cpu_tasks[1], 1, True, {"ok": True})])
+    [gpu_lease, *rest] = lease(h, w).leases
+    assert (gpu_lease.task.id, gpu_lease.ahead, gpu_lease.device) == (render, False, Device.GPU)
+    assert gpu_lease.grant is not None
+    assert ids(rest) == more[:2] and all(le.ahead for le in rest)  # then CPU work again, waiting behind it
+    assert h.state(more[2]) is TaskState.QUEUED
+
+
+def test_a_task_that_prefers_a_gpu_busy_elsewhere_is_not_taken_ahead_to_a_cpu(h: Harness) -> None:
+    gpu_worker = h.worker("g", variants=(SHOUT_GPU,), gpus=1, cpu=4.0)
+    busy = h.submit(gpu=GpuMode.REQUIRE)
+    assert ids(h.lease(gpu_worker)) == [busy]  # its only GPU is taken
+    w = h.worker("c", cpu=1.0)
+    first, prefers = h.submit(gpu=GpuMode.NEVER), h.submit(gpu=GpuMode.PREFER, gpu_wait_s=60)
+    # a healthy GPU worker may take it within gpu_wait_s: it is not leased here, ahead or not
+    assert ids(lease(h, w, prefetch=4).leases) == [first]
+    assert h.state(prefers) is TaskState.QUEUED
+
+
+def test_tasks_held_ahead_by_a_lost_worker_go_back_to_the_queue_like_running_ones(h: Harness) -> None:
+    w = h.worker(cpu=1.0)
+    tasks = [h.submit(gpu=GpuMode.NEVER, max_retries=1) for _ in range(3)]
+    assert [le.ahead for le in lease(h, w).leases] == [False, True, True]
+    h.silent_for(3 * HEARTBEAT_S + 0.5)  # it stopped heartbeating
+    h.ctrl.reap()
+    assert [h.state(t) for t in tasks] == [TaskState.QUEUED] * 3
+    other = h.worker("other", cpu=4.0)
+    assert ids(lease(h, other, prefetch=0).leases) == tasks  # another worker takes them all
+
+
+def test_a_shared_worker_whose_room_is_kept_for_tenants_takes_nothing_ahead() -> None:
+    shared = parse_limits({"*": {"reserved_share": 0.5}})
+    h = Harness(settings=ControllerSettings(heartbeat_s=HEARTBEAT_S, tenant_limits=shared))
+    w = h.worker(cpu=2.0)
+    tasks = [h.submit(gpu=GpuMode.NEVER, tenant=t) for t in ("acme", "globex", "acme", "globex")]
+    got = lease(h, w)
+    assert sorted(ids(got.leases)) == sorted(tasks[:2]) and not any(le.ahead for le in got.leases)
+    # with one tenant's work left, nothing is kept for another: its tasks are taken ahead as anyone's
+    h.ctrl.cancel(None, tasks[3])
+    h.silent_for(RECENT_S + 0.5, w)  # globex's client is not between two tasks either
+    more = lease(h, w, running=ids(got.leases))
+    assert ids(more.leases) == [tasks[2]] and more.leases[0].ahead
+
+
+# ---- over the API --------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_over_the_api_a_lease_and_a_completions_lease_say_which_tasks_wait_ahead(api: Api) -> None:
+    worker = await api.worker()  # 4 cores, a variant asking 1
+    tasks = []
+    for _ in range(7):
+        api.clock.advance(0.001)  # oldest first, in the order submitted
+        tasks.append((await api.submit(gpu="never"))["id"])
+    resp = await worker.post("lease", {"max_tasks": 8, "wait_s": 0, "running": [], "prefetch": 2})
+    leased = resp.json()["tasks"]
+    assert [t["id"] for t in leased] == tasks[:6]
+    assert [t.get("ahead", False) for t in leased] == [False] * 4 + [True] * 2
+    held = [t["id"] for t in leased]
+    body = {"results": [{"task_id": tasks[0], "attempt": 1, "status": "succeeded", "output": {}, "run_s": 0.1}],
+            "lease": {"max_tasks": 8, "running": held[1:], "prefetch": 2, "waiting": [tasks[5]]}}  # fmt: skip
+    answer = (await worker.post("complete", body)).json()
+    assert answer["accepted"] == [tasks[0]] and [t["id"] for t in answer["tasks"]] == [tasks[6]]
+    assert answer["tasks"][0]["ahead"] is True
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("field,value", [("prefetch", -1), ("prefetch", 1001), ("prefetch", None),
+                                         ("prefetch", 2.5), ("prefetch", "many"), ("waiting", [7]), ("waiting", "t_1")])  # fmt: skip
+async def test_a_lease_with_a_bad_prefetch_or_waiting_list_is_refused_naming_the_field(
+    api: Api, field: str, value: object
+) -> None:
+    worker = await api.worker()
+    resp = await worker.post("lease", {"max_tasks": 8, "wait_s": 0, "running": [], field: value})
+    assert resp.status_code == 422, resp.text
+    assert field in resp.text
