@@ -136,3 +136,66 @@ def test_back_to_back_runs_each_report_their_chained_stages_in_one_exchange(
         ]  # in order, each naming the next
         # only the last stage asks, and only for what its result queues: a last stage queues nothing
         assert report["lease"]["if_queued"] is True
+
+
+class Counting(Quiet):
+    """A quiet stage that counts how many run at once, and records the order they started in."""
+
+    now = 0
+    most = 0
+    started: list[str] = []
+
+    async def run(self, task_line: str, sink: EventSink, timeout_s: float | None) -> Outcome:
+        Counting.now += 1
+        Counting.most = max(Counting.most, Counting.now)
+        Counting.started.append(json.loads(task_line)["id"])
+        try:
+            return await super().run(task_line, sink, timeout_s)
+        finally:
+            Counting.now -= 1
+
+
+class AheadController(ChainingController):
+    """Leases a run's first stage and, held ahead of a free slot, one more task, in one answer."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        ahead = {**first_stage(9), "id": "t_ahead", "labels": {}, "chain": [], "ahead": True}
+        self.waiting = [first_stage(0), ahead]
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/lease") and self.waiting:
+            tasks, self.waiting = self.waiting, []
+            return httpx.Response(200, json={"tasks": tasks, "cancel": []})
+        return await super().handle(request)
+
+
+def test_with_prefetch_a_chained_stage_takes_its_parents_slot_before_a_task_waiting_ahead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(agent_module, "CHAIN_HOLD_S", 2.5 * STAGE_S)  # a run's results wait for one another
+    Counting.now = Counting.most = 0
+    Counting.started = []
+    fake = AheadController()
+
+    async def go() -> None:
+        pool = ProcessPool(lambda key: Counting())
+        runnable = Runnable(Variant("quiet", Device.CPU, parse_resources({"cpu": 1})), pool,
+                            lambda lease: json.dumps({"id": lease["id"], "n": int(lease["labels"].get("stage", 0))}))  # fmt: skip
+        settings = AgentSettings(controller_url="http://controller", token="t", name="w", gpus="none", cpus=1,
+                                 heartbeat_s=60, drain_grace_s=2, prefetch=1)  # fmt: skip
+        agent = Agent(settings, [runnable], discover("none"), transport=httpx.MockTransport(fake.handle))
+        stop = asyncio.Event()
+        running = asyncio.create_task(agent.run(stop))
+        deadline = time.monotonic() + 20
+        while len(fake.results) < STAGES + 1 and time.monotonic() < deadline and not running.done():
+            await asyncio.sleep(0.005)
+        stop.set()
+        await asyncio.wait_for(running, timeout=10)
+
+    asyncio.run(go())
+    assert len(fake.results) == STAGES + 1 and all(r["status"] == "succeeded" for r in fake.results.values())
+    assert Counting.most == 1  # one core: one at a time
+    run_report = next(r for r in fake.reports if r["results"][0]["task_id"] == "t_run0")
+    assert len(run_report["results"]) == STAGES  # every stage chained here, in one report
+    assert Counting.started[0] == "t_run0" and Counting.started[-1] == "t_ahead"  # the run's stages first
