@@ -24,11 +24,14 @@ test: $(STAMP) browser
 
 # Debian's chromium for the dashboard's browser tests (Playwright drives it; Playwright's own browser download
 # never runs). Installed only where this host can: root with apt-get; elsewhere those tests skip and say why.
+# An install cut short before (a make test interrupted while it ran) leaves dpkg refusing every later one
+# until `dpkg --configure -a`: that runs first, and does nothing where nothing was cut short.
 browser:
 	@if [ -x /usr/bin/chromium ]; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 		echo "installing Debian's chromium for the browser tests"; \
-		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+		(DEBIAN_FRONTEND=noninteractive dpkg --configure -a >/dev/null && apt-get update -qq \
+			&& DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
 			|| echo "chromium could not be installed: the browser tests will say so"; \
 	else echo "no /usr/bin/chromium and no root apt-get here: the browser tests will be skipped"; fi
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.inprocess.asgi import InProcessApi
-from tests.inprocess.harness import FakeClock
+from tests.inprocess.harness import FakeClock, Harness
 from turnout.access import ALL_TENANTS
 from turnout.api.app import create_app
 from turnout.api.service import Service
@@ -23,7 +23,7 @@ from turnout.config import ControllerSettings
 from turnout.controller import Controller
 from turnout.models import Role, Task
 from turnout.runtime import build_controller
-from turnout.store import MemoryStore, Store
+from turnout.store import MemoryStore, Store, open_store
 
 CPU_SHOUT = {"capability": "shout", "device": "cpu", "resources": {"cpu": 1}}
 GPU_SHOUT = {"capability": "shout", "device": "gpu", "resources": {"cpu": 1, "gpu": 1}}
@@ -183,3 +183,13 @@ def served(tmp_path: Path) -> Iterator[Served]:
         yield Served(api, parts.admin_token)
     finally:
         api.close()
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+def h(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]:
+    """The controller over the memory store, and over a SQLite file: it meets the same rules on both."""
+    store = open_store("memory://" if request.param == "memory" else f"sqlite:///{tmp_path / 'turnout.db'}")
+    try:
+        yield Harness(store=store)
+    finally:
+        store.close()

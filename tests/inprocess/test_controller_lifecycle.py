@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,18 +32,8 @@ from tests.inprocess.harness import HEARTBEAT_S, SHOUT_CPU, SHOUT_GPU, Harness
 from turnout.controller import UNDELIVERED_AFTER_S
 from turnout.models import GpuMode, Routing, Task, TaskState
 from turnout.resources import parse_resources
-from turnout.store import open_store
 
 LEASE_S = 3 * HEARTBEAT_S  # a worker silent this long is unhealthy and its leases expire
-
-
-@pytest.fixture(params=["memory", "sqlite"])
-def h(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]:
-    store = open_store("memory://" if request.param == "memory" else f"sqlite:///{tmp_path / 'turnout.db'}")
-    try:
-        yield Harness(store=store)
-    finally:
-        store.close()
 
 
 def test_a_task_goes_queued_leased_running_succeeded(h: Harness) -> None:

@@ -4,8 +4,7 @@ they wait)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
 import pytest
 
@@ -15,19 +14,9 @@ from turnout.config import ControllerSettings
 from turnout.controller import LeaseAsk, LeaseResult
 from turnout.models import Completion, Device, GpuMode, Lease, TaskState, Variant
 from turnout.resources import parse_resources
-from turnout.store import open_store
 from turnout.tenancy import RECENT_S, parse_limits
 
 RENDER_GPU = Variant("render", Device.GPU, parse_resources({"cpu": 1, "gpu": 1}))
-
-
-@pytest.fixture(params=["memory", "sqlite"])
-def h(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]:
-    store = open_store("memory://" if request.param == "memory" else f"sqlite:///{tmp_path / 'turnout.db'}")
-    try:
-        yield Harness(store=store)
-    finally:
-        store.close()
 
 
 def lease(h: Harness, w: str, running: Sequence[str] = (), waiting: Sequence[str] = (),
