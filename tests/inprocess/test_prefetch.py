@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.inprocess.conftest import Api
 from tests.inprocess.harness import HEARTBEAT_S, SHOUT_CPU, SHOUT_GPU, Harness
@@ -175,3 +177,51 @@ async def test_a_lease_with_a_bad_prefetch_or_waiting_list_is_refused_naming_the
     resp = await worker.post("lease", {"max_tasks": 8, "wait_s": 0, "running": [], field: value})
     assert resp.status_code == 422, resp.text
     assert field in resp.text
+
+
+# ---- a property: what a worker holds, whatever the order of leases and results -------------------
+
+HALF = Variant("half", Device.CPU, parse_resources({"cpu": 0.5}))
+STEP = st.one_of(
+    st.tuples(st.just("submit"), st.sampled_from(["shout", "half"]), st.integers(1, 4)),
+    st.tuples(st.just("lease"), st.just(""), st.integers(0, 0)),
+    st.tuples(st.just("finish"), st.just(""), st.integers(0, 3)),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(cpu=st.sampled_from([1.0, 2.0, 3.0]), prefetch=st.integers(0, 3), steps=st.lists(STEP, max_size=30))
+def test_a_worker_never_holds_more_than_its_cores_and_prefetch_nor_starts_more_than_its_cores(
+    cpu: float, prefetch: int, steps: list[tuple[str, str, int]]
+) -> None:
+    h = Harness()
+    w = h.worker(cpu=cpu, variants=(SHOUT_CPU, HALF))
+    held: dict[str, Lease] = {}  # what the worker holds, in the order it got it
+    started: list[str] = []  # the worker starts what it holds as its cores free, leased-for-room first
+
+    def start_what_fits() -> None:
+        order = [t for t, le in held.items() if not le.ahead] + [t for t, le in held.items() if le.ahead]
+        for t in order:
+            used = sum(held[s].resources.cpu for s in started)
+            if t not in started and (not started or used + held[t].resources.cpu <= cpu + 1e-9):
+                started.append(t)
+
+    for op, capability, n in steps:
+        if op == "submit":
+            for _ in range(n):
+                h.submit(capability, gpu=GpuMode.NEVER)
+        elif op == "lease":
+            waiting = [t for t in held if t not in started]
+            got = lease(h, w, running=list(held), waiting=waiting, prefetch=prefetch)
+            for le in got.leases:
+                held[le.task.id] = le
+        elif started:
+            t = started.pop(min(n, len(started) - 1))
+            h.ctrl.complete(w, [Completion(t, held.pop(t).task.attempts, True, {"ok": True})])
+        mine = [t for t in h.ctrl.active_tasks() if t.worker_id == w]
+        assert {t.id for t in mine} == set(held)
+        total = sum(t.alloc.cpu for t in mine if t.alloc)
+        assert total <= cpu + prefetch * 0.5 + 1e-9 or len(mine) == 1, (total, cpu, prefetch)
+        assert all(not le.ahead for le in held.values()) or prefetch > 0
+        start_what_fits()
+        assert all(t in started for t, le in held.items() if not le.ahead)  # leased for its room: it fits now
