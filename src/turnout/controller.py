@@ -425,8 +425,12 @@ class Controller:
         idling through the round trip that reports it: a task routed to the CPU with no GPU and no batch, never
         where the room is kept for tenants (`reserved_share`). Those are `ahead` (Allocation.ahead); the worker
         lists the ones that have not started in `waiting`: they do not count against its room for what starts
-        at once, nor as started. Taking ahead stops at a queued task that would run here once room frees but may
-        not wait (a GPU, a batch): what is taken ahead of it would take that room first, for ever.
+        at once, nor as started. While a task waits there, and from the first one taken ahead, nothing more is
+        leased for the room: the waiting tasks take it first, in the order they came, and none is overtaken by
+        a smaller one that fits what is free. Taking ahead stops at a queued task that would run here once room
+        frees but may not wait (a GPU, a batch): what is taken ahead of it would take that room first, for ever.
+        A task held ahead that never said it started is, when its worker is lost or leaves, counted as a lease
+        that never arrived (`_unstarted_counted`), not against its `max_retries`.
 
         Room is computed from the store, after waiting for any other lease of this worker to commit
         (`hold_worker`): two requests at once, on one controller or two, never over-commit it.
@@ -471,6 +475,8 @@ class Controller:
         shares = self._reservations(worker, mine.values(), tenant, now)  # tenancy.Reservations
         # what it may hold running and waiting together (None: no prefetch)
         ahead = placement.ahead_room(worker, list(mine.values()), prefetch) if shares is None else None
+        if ahead is not None and not waits.isdisjoint(mine):
+            placement.close(room)  # tasks wait there for room: they take it first, in the order they came
         if room.cpu + 1e-9 < smallest and not placement.has_room(ahead, smallest):
             # nothing it offers fits now
             return LeaseResult(
@@ -505,6 +511,7 @@ class Controller:
                     where, ahead = None, None
                 elif where is not None:
                     ahead_of.add(task.id)
+                    placement.close(room)  # it waits for room: no task after it may take room before it
             if where is None:
                 continue
             if where.riding is not None:
@@ -868,6 +875,7 @@ class Controller:
 
     def _requeue_lost(self, tasks: Sequence[Task], why: str) -> list[str]:
         now = self.clock()
+        tasks = [_unstarted_counted(t) for t in tasks]
         retry = [t for t in tasks if _charged(t) <= t.spec.max_retries]
         give_up = [t for t in tasks if _charged(t) > t.spec.max_retries]
         error = {"type": "worker_lost", "message": f"{why}; attempts used up"}
@@ -1148,6 +1156,15 @@ def _gpu_share(task: Task) -> float:
     """The share of its GPU a task holds (a whole one unless it said otherwise)."""
     share = task.alloc.gpu_share if task.alloc else None
     return 1.0 if share is None else share
+
+
+def _unstarted_counted(task: Task) -> Task:
+    """A task held ahead on a worker that never said it started (it waited there for a free slot) ran nothing
+    known: counted as a lease that never arrived (`routing.undelivered`), not against `max_retries`, for the
+    first few times, like one."""
+    if task.alloc is None or not task.alloc.ahead or task.started_at is not None:
+        return task
+    return replace(task, routing=replace(task.routing or Routing(), undelivered=_undelivered(task) + 1))
 
 
 def _charged(task: Task) -> int:

@@ -11,6 +11,7 @@ change and writes. `turnout simulate` goes through the same fleet choice (`Fleet
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -91,6 +92,11 @@ def ahead_room(worker: Worker, active: Sequence[Task], prefetch: int) -> Room | 
     room.cpu += prefetch * smallest_cpu(worker)
     room.memory_bytes += prefetch * max((v.resources.memory_bytes for v in worker.variants), default=0)
     return room
+
+
+def close(room: Room) -> None:
+    """Nothing more is placed in `room` (a task waits for it and comes first); a batch's riders still ride."""
+    room.cpu = -math.inf
 
 
 def has_room(room: Room | None, smallest: float) -> bool:
