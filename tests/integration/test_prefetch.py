@@ -1,8 +1,10 @@
 """`turnout worker --prefetch N` on a real controller and worker: the worker holds tasks beyond its slots,
-never runs more at once than its cores allow, and a task cancelled while it waits there never starts."""
+never runs more at once than its cores allow, a task cancelled while it waits there never starts, and a worker
+that stops gives back what waits there, uncharged, for another worker to run."""
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
@@ -51,3 +53,28 @@ def test_a_worker_holds_prefetch_tasks_waiting_runs_only_its_slots_and_drops_one
     assert waiting not in {t for _, t, _ in runs}, "cancelled while it waited: it never started"
     assert sorted(t for what, t, _ in runs if what == "end") == sorted(t for t in ids if t != waiting)
     assert max_overlap(runs) == SLOTS  # its slots were used, and never more
+
+
+def test_a_stopping_worker_finishes_what_runs_and_gives_back_what_waits_there_which_another_runs(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    log = tmp_path / "runs.log"
+    worker = cluster.start_worker(APP, name="leaving", extra=["--cpus", "0.2", "--prefetch", str(PREFETCH)])
+    ids = [
+        cluster.submit("logged_sleep", {"seconds": 2, "log": str(log)}, max_retries=0)["id"] for _ in range(5)
+    ]
+    deadline = time.monotonic() + 15
+    while sum(cluster.api("GET", f"/v1/tasks/{t}").json()["state"] in ("leased", "running") for t in ids) < 5:
+        assert time.monotonic() < deadline, "the worker never held all five"
+        time.sleep(0.05)
+    worker.send_signal(signal.SIGTERM)  # it drains: what runs may finish, what waits goes back
+    assert worker.wait(timeout=30) == 0
+    ran = [t for what, t, _ in read_runs(log) if what == "end"]
+    assert len(ran) == SLOTS and {t for _, t, _ in read_runs(log)} == set(
+        ran
+    )  # the waiting ones never started
+    states = {t: cluster.api("GET", f"/v1/tasks/{t}").json()["state"] for t in ids}
+    assert states == {t: "succeeded" if t in ran else "queued" for t in ids}  # not failed: none ran there
+    cluster.start_worker(APP, name="next", extra=["--cpus", "1"])
+    assert {t: cluster.result(t, wait=60)["state"] for t in ids} == {t: "succeeded" for t in ids}
+    assert sorted(t for what, t, _ in read_runs(log) if what == "end") == sorted(ids)  # each ran once

@@ -217,8 +217,13 @@ class Agent:
 
     async def shutdown(self, loops: list[asyncio.Task[Any]], stop_now: asyncio.Event | None = None) -> None:
         """Stop leasing, let running tasks finish (up to the grace, or until `stop_now`), report them, and
-        leave: what is still running then is stopped, and the controller queues it again as the worker leaves."""
+        leave: what is still running then is stopped, and the controller queues it again as the worker leaves.
+        Tasks waiting here for a free slot (`prefetch`) never start: they go back to the queue as it leaves."""
         self._leasing = False
+        for task_id in list(self._waiting):
+            job = self.running.get(task_id)
+            if job is not None:
+                job.cancel()
         if self.running:
             drained = asyncio.ensure_future(asyncio.wait(list(self.running.values())))
             hurried = asyncio.ensure_future((stop_now or asyncio.Event()).wait())
