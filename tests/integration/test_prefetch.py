@@ -1,6 +1,7 @@
 """`turnout worker --prefetch N` on a real controller and worker: the worker holds tasks beyond its slots,
 never runs more at once than its cores allow, a task cancelled while it waits there never starts, and a worker
-that stops gives back what waits there, uncharged, for another worker to run."""
+that stops gives back what waits there, uncharged, for another worker to run; tasks waiting there survive a
+controller killed and restarted, and each runs once."""
 
 from __future__ import annotations
 
@@ -78,3 +79,23 @@ def test_a_stopping_worker_finishes_what_runs_and_gives_back_what_waits_there_wh
     cluster.start_worker(APP, name="next", extra=["--cpus", "1"])
     assert {t: cluster.result(t, wait=60)["state"] for t in ids} == {t: "succeeded" for t in ids}
     assert sorted(t for what, t, _ in read_runs(log) if what == "end") == sorted(ids)  # each ran once
+
+
+def test_tasks_waiting_ahead_survive_a_controller_killed_and_restarted_and_each_runs_once(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    log = tmp_path / "runs.log"
+    cluster.start_worker(APP, extra=["--cpus", "0.2", "--prefetch", str(PREFETCH)])
+    ids = [cluster.submit("logged_sleep", {"seconds": 1, "log": str(log)})["id"] for _ in range(7)]
+    deadline = time.monotonic() + 15
+    while sum(cluster.api("GET", f"/v1/tasks/{t}").json()["state"] in ("leased", "running") for t in ids) < 5:
+        assert time.monotonic() < deadline, "the worker never held five"
+        time.sleep(0.05)
+    cluster.kill_controller()  # SIGKILL, with two running and three waiting on the worker
+    time.sleep(1.0)
+    cluster.start_controller()  # the same database and port: the worker reconnects
+    # the worker reports what ran meanwhile and goes on with what waited: each task ends, and runs, once
+    assert {t: cluster.result(t, wait=60)["state"] for t in ids} == {t: "succeeded" for t in ids}
+    ends = [t for what, t, _ in read_runs(log) if what == "end"]
+    assert sorted(ends) == sorted(ids)
+    assert max_overlap(read_runs(log)) == SLOTS
