@@ -6,6 +6,7 @@ controller killed and restarted, and each runs once."""
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -15,6 +16,29 @@ from tests.faults.conftest import read_runs
 APP = "tests.apps.testapp:app"
 SLOTS = 2  # --cpus 0.2 with `logged_sleep` asking cpu=0.1 (the app's smallest variant)
 PREFETCH = 3
+
+
+def states(cluster: Cluster, ids: list[str]) -> list[str]:
+    return [cluster.api("GET", f"/v1/tasks/{t}").json()["state"] for t in ids]
+
+
+def wait_until_held(cluster: Cluster, ids: list[str], n: int) -> None:
+    """Until `n` of these tasks are leased to (or running on) the worker: its slots and what it holds ahead."""
+    deadline = time.monotonic() + 15
+    while (held := sum(s in ("leased", "running") for s in states(cluster, ids))) < n:
+        assert time.monotonic() < deadline, f"the worker holds {held} tasks, not {n}"
+        time.sleep(0.05)
+
+
+def start_holding(cluster: Cluster, log: Path, tasks: int, seconds: float, name: str = "w",
+                  **options: object) -> tuple[subprocess.Popen[bytes], list[str]]:  # fmt: skip
+    """A worker `--cpus 0.2 --prefetch 3` and `tasks` logged sleeps of `seconds`, once it holds all it may (or all
+    of them): the worker, and the tasks' ids in the order submitted."""
+    worker = cluster.start_worker(APP, name=name, extra=["--cpus", "0.2", "--prefetch", str(PREFETCH)])
+    body = {"seconds": seconds, "log": str(log)}
+    ids = [cluster.submit("logged_sleep", body, **options)["id"] for _ in range(tasks)]
+    wait_until_held(cluster, ids, min(tasks, SLOTS + PREFETCH))
+    return worker, ids
 
 
 def max_overlap(runs: list[tuple[str, str, float]]) -> int:
@@ -30,17 +54,9 @@ def test_a_worker_holds_prefetch_tasks_waiting_runs_only_its_slots_and_drops_one
     cluster: Cluster, tmp_path: Path
 ) -> None:
     log = tmp_path / "runs.log"
-    cluster.start_worker(APP, extra=["--cpus", "0.2", "--prefetch", str(PREFETCH)])
-    ids = [cluster.submit("logged_sleep", {"seconds": 1.5, "log": str(log)})["id"] for _ in range(8)]
-
-    def states() -> list[str]:
-        return [cluster.api("GET", f"/v1/tasks/{t}").json()["state"] for t in ids]
-
-    deadline = time.monotonic() + 15
-    while (held := sum(s in ("leased", "running") for s in states())) < SLOTS + PREFETCH:
-        assert time.monotonic() < deadline, f"the worker holds {held} tasks, not {SLOTS + PREFETCH}"
-        time.sleep(0.05)
-    assert states()[SLOTS + PREFETCH :] == ["queued"] * (8 - SLOTS - PREFETCH)  # no more than that
+    _, ids = start_holding(cluster, log, 8, 1.5)
+    held = SLOTS + PREFETCH
+    assert states(cluster, ids)[held:] == ["queued"] * (8 - held)  # no more than that
     started = {t for what, t, _ in read_runs(log) if what == "start"}
     assert len(started) <= SLOTS, "the tasks beyond its slots wait"
 
@@ -60,22 +76,14 @@ def test_a_stopping_worker_finishes_what_runs_and_gives_back_what_waits_there_wh
     cluster: Cluster, tmp_path: Path
 ) -> None:
     log = tmp_path / "runs.log"
-    worker = cluster.start_worker(APP, name="leaving", extra=["--cpus", "0.2", "--prefetch", str(PREFETCH)])
-    ids = [
-        cluster.submit("logged_sleep", {"seconds": 2, "log": str(log)}, max_retries=0)["id"] for _ in range(5)
-    ]
-    deadline = time.monotonic() + 15
-    while sum(cluster.api("GET", f"/v1/tasks/{t}").json()["state"] in ("leased", "running") for t in ids) < 5:
-        assert time.monotonic() < deadline, "the worker never held all five"
-        time.sleep(0.05)
+    worker, ids = start_holding(cluster, log, 5, 2, name="leaving", max_retries=0)
     worker.send_signal(signal.SIGTERM)  # it drains: what runs may finish, what waits goes back
     assert worker.wait(timeout=30) == 0
     ran = [t for what, t, _ in read_runs(log) if what == "end"]
-    assert len(ran) == SLOTS and {t for _, t, _ in read_runs(log)} == set(
-        ran
-    )  # the waiting ones never started
-    states = {t: cluster.api("GET", f"/v1/tasks/{t}").json()["state"] for t in ids}
-    assert states == {t: "succeeded" if t in ran else "queued" for t in ids}  # not failed: none ran there
+    never_started = {t for _, t, _ in read_runs(log)} == set(ran)  # the waiting ones
+    assert len(ran) == SLOTS and never_started
+    after = dict(zip(ids, states(cluster, ids), strict=True))
+    assert after == {t: "succeeded" if t in ran else "queued" for t in ids}  # not failed: none ran there
     cluster.start_worker(APP, name="next", extra=["--cpus", "1"])
     assert {t: cluster.result(t, wait=60)["state"] for t in ids} == {t: "succeeded" for t in ids}
     assert sorted(t for what, t, _ in read_runs(log) if what == "end") == sorted(ids)  # each ran once
@@ -85,12 +93,7 @@ def test_tasks_waiting_ahead_survive_a_controller_killed_and_restarted_and_each_
     cluster: Cluster, tmp_path: Path
 ) -> None:
     log = tmp_path / "runs.log"
-    cluster.start_worker(APP, extra=["--cpus", "0.2", "--prefetch", str(PREFETCH)])
-    ids = [cluster.submit("logged_sleep", {"seconds": 1, "log": str(log)})["id"] for _ in range(7)]
-    deadline = time.monotonic() + 15
-    while sum(cluster.api("GET", f"/v1/tasks/{t}").json()["state"] in ("leased", "running") for t in ids) < 5:
-        assert time.monotonic() < deadline, "the worker never held five"
-        time.sleep(0.05)
+    _, ids = start_holding(cluster, log, 7, 1)
     cluster.kill_controller()  # SIGKILL, with two running and three waiting on the worker
     time.sleep(1.0)
     cluster.start_controller()  # the same database and port: the worker reconnects

@@ -420,7 +420,8 @@ class Agent:
         self._cpu_of.pop(task_id, None)
 
     def _full(self) -> bool:
-        """Whether the tasks running here leave no room for the smallest variant (as the controller counts CPU)."""
+        """Whether the tasks held here (running, or waiting for a slot) leave no room for the smallest variant,
+        as the controller counts CPU."""
         cpus = self._cpus()
         smallest = min((r.variant.resources.cpu for r in self.runnables.values()), default=0.0)
         return sum(self._cpu_of.values()) + smallest > cpus + 1e-9
