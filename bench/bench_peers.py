@@ -2,8 +2,9 @@
 
 One system at a time, never two at once, repetitions interleaved (T, C, R, T, C, R, ...); medians:
 
-- Turnout: a controller on a fresh SQLite file (fsync'd, the default) and ONE worker `--cpus 2 --prefetch 4` serving
-  `bench.peer_app:cpu_app` (no-op, `cpu=1`, two warm handler processes). Bulk: the SDK's `submit_batch` in
+- Turnout: a controller on a fresh SQLite file (fsync'd, the default) and ONE worker `--cpus 2` serving
+  `bench.peer_app:cpu_app` (no-op, `cpu=1`, two warm handler processes), its defaults otherwise (`--prefetch
+  auto`: it holds waiting up to 64 tasks the controller saw end quickly, 0.1 s of their work per core at most). Bulk: the SDK's `submit_batch` in
   chunks of 1,000; one-by-one: `AsyncClient.submit()` once per task from many concurrent callers.
 - Celery: one worker, prefork -c 2, Redis broker and backend (db 15, flushed first), `bench.celery_app`.
   Bulk: `group(...).apply_async()`; one-by-one: `.delay()` per task.
@@ -55,9 +56,6 @@ NAME = "peers"
 REDIS_URL = "redis://127.0.0.1:6379/15"
 CHUNK = 1000  # the batch route's limit
 CALLERS = 64  # concurrent one-by-one submitters
-# Turnout's worker holds 4 tasks waiting beyond its 2 running (`turnout worker --prefetch 4`), as Celery's
-# prefork worker reserves tasks ahead (its prefetch multiplier, 4 by default) and Ray pipelines tasks to workers
-PREFETCH = 4
 WARMUP = 200
 NOT_INSTALLED = "not installed (pip install -e '.[bench]')"
 NONTERMINAL = ("queued", "leased", "running")
@@ -233,8 +231,7 @@ def on_fresh_cluster(
 def turnout_rep(params: dict[str, Any], profile: bool) -> dict[str, Any]:
     """The CPU phases on one fresh controller and worker, then the quarter-GPU case on another (fake GPUs)."""
     with tempfile.TemporaryDirectory(prefix="peers-turnout-") as tmp:
-        out = on_fresh_cluster(Path(tmp) / "cpu", "cpu_app", "none", lambda c: cpu_phases(c, params, profile),
-                               ("--prefetch", str(PREFETCH)))  # fmt: skip
+        out = on_fresh_cluster(Path(tmp) / "cpu", "cpu_app", "none", lambda c: cpu_phases(c, params, profile))
         if "error" in out:
             return out
         quarter = on_fresh_cluster(

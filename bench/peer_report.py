@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SYSTEMS = ("turnout", "celery", "ray")
-LABELS = {"turnout": "Turnout (SQLite fsync'd, --prefetch 4)", "celery": "Celery (prefork -c 2, Redis)",
+LABELS = {"turnout": "Turnout (SQLite fsync'd, defaults)", "celery": "Celery (prefork -c 2, Redis)",
           "ray": "Ray (num_cpus=2, num_gpus=2)"}  # fmt: skip
 VERDICT = {True: "yes", False: "NO", None: "not judged"}
 # The figures of a row: name -> (phase, key) in each rep.

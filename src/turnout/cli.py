@@ -225,10 +225,11 @@ def worker(
     name: str | None = typer.Option(None, help="Worker name (default: host name)."),
     strategy: str = typer.Option("pack", help="GPU placement on this worker: pack or spread."),
     cpus: float | None = typer.Option(None, help="Cores to offer (default: all)."),
-    prefetch: int = typer.Option(
-        0,
-        help="Tasks to hold waiting beyond what runs, so a slot that ends starts the next at once (many short "
-        "CPU tasks); 0: none.",
+    prefetch: str = typer.Option(
+        "auto",
+        help="Tasks to hold waiting beyond what runs, so a slot that ends starts the next at once: auto (up to "
+        "64 tasks the controller has seen end quickly, 0.1 s of their work per core at most), N (any N CPU "
+        "tasks), 0 (none).",
     ),
     heartbeat_s: float = typer.Option(5.0, help="Heartbeat period."),
     canary: str | None = typer.Option(
@@ -276,7 +277,7 @@ def worker(
     from turnout.client import default_token, default_url
     from turnout.gpu.provider import discover
     from turnout.runtime import run_agent_until_signalled
-    from turnout.worker.agent import Agent, AgentSettings
+    from turnout.worker.agent import Agent, AgentSettings, prefetch_of
     from turnout.worker.app import load_app
     from turnout.worker.executors import python_runnables
     from turnout.worker.sandbox import Isolation
@@ -289,13 +290,14 @@ def worker(
         raise InvalidInput("give at least one MODULE:APP or --presets FILE", field="apps")
     if isolation not in {i.value for i in Isolation}:
         raise InvalidInput(f"--isolation: {isolation!r} is not none or sandbox", field="isolation")
+    ahead, ahead_s = prefetch_of(prefetch)
     # the settings check their own numbers: a bad --cpus is refused before any app is imported
     settings = AgentSettings(controller_url=controller_url or default_url(), token=token or default_token(),
                              name=name or socket.gethostname(), gpus=gpus, strategy=strategy, cpus=cpus,
                              heartbeat_s=heartbeat_s, canary_command=shlex.split(canary) if canary else None,
                              canary_backoff_s=canary_backoff_s, scrub_command=scrub_command, ca_cert=ca_cert,
                              storage=storage.expanduser() if storage else None, channel=channel,
-                             prefetch=prefetch)  # fmt: skip
+                             prefetch=ahead, prefetch_s=ahead_s)  # fmt: skip
     discovery = discover(gpus)
     from turnout.worker import containment as kernel
 

@@ -108,6 +108,7 @@ class LeaseAsk:
     # asks because they may, and the controller alone knows whether they did
     if_queued: bool = False
     prefetch: int = 0  # tasks it would hold waiting beyond what runs (`Controller.lease`)
+    prefetch_s: float | None = None  # only tasks known short, this many seconds of their work per core
     waiting: Sequence[str] = ()  # of `running`, those still waiting there for a free slot
 
 
@@ -160,6 +161,7 @@ class Controller:
 
         self.runs = PipelineRuns(self)  # pipeline runs: advanced in the same call that ends a stage
         self._samples = profiles.PendingSamples()  # finished tasks' run times, written about once a second
+        self._run_times = profiles.RecentRunTimes()  # what `--prefetch auto` weighs (`lease`)
 
     # ---- tasks -------------------------------------------------------------------------------
 
@@ -405,6 +407,7 @@ class Controller:
         listed_at: float | None = None,
         watching: Sequence[str] = (),
         prefetch: int = 0,
+        prefetch_s: float | None = None,
         waiting: Sequence[str] = (),
     ) -> LeaseResult:
         """Give the worker queued tasks that fit its free resources, routed per their `gpu` value.
@@ -430,7 +433,10 @@ class Controller:
         a smaller one that fits what is free. Taking ahead stops at a queued task that would run here once room
         frees but may not wait (a GPU, a batch): what is taken ahead of it would take that room first, for ever.
         A task held ahead that never said it started is, when its worker is lost or leaves, counted as a lease
-        that never arrived (`_unstarted_counted`), not against its `max_retries`.
+        that never arrived (`_unstarted_counted`), not against its `max_retries`. `prefetch_s` (a worker's
+        `--prefetch auto`): only tasks whose recent run time on the CPU this controller knows are held ahead, and
+        only while the expected work waiting there stays within `prefetch_s` of the worker's cores
+        (`placement.AheadBudget`): a task of unknown or too long a run time stops taking ahead, as a GPU does.
 
         Room is computed from the store, after waiting for any other lease of this worker to commit
         (`hold_worker`): two requests at once, on one controller or two, never over-commit it.
@@ -475,6 +481,11 @@ class Controller:
         shares = self._reservations(worker, mine.values(), tenant, now)  # tenancy.Reservations
         # what it may hold running and waiting together (None: no prefetch)
         ahead = placement.ahead_room(worker, list(mine.values()), prefetch) if shares is None else None
+        budget = None  # with `prefetch_s`: the expected work it may still hold waiting
+        if ahead is not None and prefetch_s is not None:
+            held_waiting = [(self._run_times.expected(t.spec.capability, Device.CPU.value), t.alloc.cpu)
+                            for t in mine.values() if t.id in waits and t.alloc is not None]  # fmt: skip
+            budget = placement.AheadBudget.of(worker, held_waiting, prefetch_s)
         if ahead is not None and not waits.isdisjoint(mine):
             placement.close(room)  # tasks wait there for room: they take it first, in the order they came
         if room.cpu + 1e-9 < smallest and not placement.has_room(ahead, smallest):
@@ -505,9 +516,12 @@ class Controller:
             where = placement.place(task, worker, room, facts, now=now, book=book)
             if where is None and ahead is not None and placement.has_room(ahead, smallest):
                 where = placement.place(task, worker, ahead, facts, now=now)
-                if where is not None and not placement.may_wait(where):
-                    # it would run here once room frees (a GPU, a batch): what is taken ahead of it would take
-                    # that room first, task after task, so nothing more is
+                expected = self._run_times.expected(task.spec.capability, Device.CPU.value)
+                if where is not None and (not placement.may_wait(where) or (
+                        budget is not None and not budget.take(expected, where.resources.cpu))):  # fmt: skip
+                    # it would run here once room frees (a GPU, a batch, a task not known short enough to
+                    # wait): what is taken ahead of it would take that room first, task after task, so nothing
+                    # more is
                     where, ahead = None, None
                 elif where is not None:
                     ahead_of.add(task.id)
@@ -668,7 +682,8 @@ class Controller:
             try:
                 if (queued_here or not ask.if_queued) and self._tenants_queued():
                     got = self.offer(worker_id, max_tasks=ask.max_tasks, running=running, tenant=ask.tenant,
-                                     prefetch=ask.prefetch, waiting=ask.waiting)  # fmt: skip
+                                     prefetch=ask.prefetch, prefetch_s=ask.prefetch_s,
+                                     waiting=ask.waiting)  # fmt: skip
             except NotFound:  # it left (or was never here): its verdicts stand, and it gets no work
                 pass
         return Exchange(accepted, refused, queued, got, settled.chains, settled.runs, ended_tasks, ended_runs)
@@ -829,6 +844,7 @@ class Controller:
                 continue
             if t.worker_id.startswith("cloud:"):
                 continue  # a cloud endpoint's time says nothing about local devices
+            self._run_times.note(t.spec.capability, t.device.value, c.run_s)
             usage = c.usage or {}
             sample = profiles.RunSample(c.run_s, c.cold_start_s, usage.get("peak_gpu_memory_bytes"),
                                usage.get("peak_rss_bytes"))  # fmt: skip

@@ -94,6 +94,32 @@ def ahead_room(worker: Worker, active: Sequence[Task], prefetch: int) -> Room | 
     return room
 
 
+@dataclass
+class AheadBudget:
+    """How much expected work a worker with `--prefetch auto` may still hold waiting for its slots, in
+    CPU-seconds (a task's expected run seconds times its cores): a task held ahead waits, at worst, for the
+    work held before it, so the budget bounds that wait whatever the tasks' sizes (`of`)."""
+
+    left_s: float
+
+    @classmethod
+    def of(cls, worker: Worker, waiting: Iterable[tuple[float | None, float]], wait_s: float) -> AheadBudget:
+        """`wait_s` of the worker's cores, less what waits there now: (expected run seconds, cores) of each
+        task held waiting (an unknown run time counts as nothing: none is taken ahead while it is unknown)."""
+        return cls(wait_s * worker.cpu - sum((run_s or 0.0) * cpu for run_s, cpu in waiting))
+
+    def take(self, run_s: float | None, cpu: float) -> bool:
+        """Book a task expected to run `run_s` on `cpu` cores; False (nothing booked) when its run time is
+        unknown or it does not fit what is left."""
+        if run_s is None or not math.isfinite(run_s):
+            return False
+        cost = max(run_s, 0.0) * cpu
+        if cost > self.left_s + 1e-12:
+            return False
+        self.left_s -= cost
+        return True
+
+
 def close(room: Room) -> None:
     """Nothing more is placed in `room` (a task waits for it and comes first); a batch's riders still ride."""
     room.cpu = -math.inf

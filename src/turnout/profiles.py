@@ -121,6 +121,26 @@ class PendingSamples:
         return out
 
 
+class RecentRunTimes:
+    """Each capability's recent run time per device class, as this controller saw its results end: what a
+    worker's `--prefetch auto` is weighed on before a task is held waiting there (`Controller.lease`).
+
+    In memory, not the stored profiles: it is asked on every lease, which a database read would slow, and
+    a restarted controller learns it again from the next results (until then, nothing is held waiting)."""
+
+    def __init__(self) -> None:
+        self._run_s: dict[tuple[str, str], float] = {}
+
+    def note(self, capability: str, device: str, run_s: float) -> None:
+        key = (capability, device)
+        before = self._run_s.get(key)
+        self._run_s[key] = run_s if before is None else before + EWMA * (run_s - before)
+
+    def expected(self, capability: str, device: str) -> float | None:
+        """Its moving average of run seconds; None before a task of it ended here."""
+        return self._run_s.get((capability, device))
+
+
 def learned_gpu_memory(profiles: Iterable[Profile]) -> int | None:
     """The gpu_memory a GPU variant that declares none gets: its largest observed peak, with headroom."""
     peaks = [p.peak_gpu_memory_bytes for p in profiles if p.device == "gpu" and p.peak_gpu_memory_bytes]

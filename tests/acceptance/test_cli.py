@@ -133,6 +133,10 @@ def test_a_port_another_process_holds_is_one_line_before_anything_is_made(tmp_pa
             "--prefetch: -1 is not a number of tasks",
         ),
         (["worker", "no_such_module:app", "--prefetch", "5000"], "--prefetch: 5000 is not a number of tasks"),
+        (
+            ["worker", "no_such_module:app", "--prefetch", "soon"],
+            "--prefetch: 'soon' is not auto or a number",
+        ),
         (["controller", "--heartbeat-s", "nan"], "--heartbeat-s: nan is not a positive number of seconds"),
         (["controller", "--config", "{config}"], "turnout.yaml: file_retention_s: expected seconds >= 0"),
     ],

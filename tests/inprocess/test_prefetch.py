@@ -150,6 +150,103 @@ def test_a_shared_worker_whose_room_is_kept_for_tenants_takes_nothing_ahead() ->
     assert ids(more.leases) == [tasks[2]] and more.leases[0].ahead
 
 
+# ---- `--prefetch auto`: only tasks known short, within a budget of expected work ----------------------
+
+
+def learn(h: Harness, w: str, capability: str, run_s: float) -> None:
+    """One task of `capability` runs on `w` for `run_s` and succeeds: the controller now knows its run time."""
+    task = h.submit(capability, gpu=GpuMode.NEVER)
+    assert ids(lease(h, w, prefetch=0).leases) == [task]
+    h.ctrl.complete(w, [Completion(task, 1, True, {"ok": True}, run_s=run_s)])
+
+
+def auto(h: Harness, w: str, running: Sequence[str] = (), waiting: Sequence[str] = ()) -> LeaseResult:
+    # 64 at most, and 0.125 s of expected work per core: with 2 cores, 0.25 CPU-seconds
+    return h.ctrl.lease(w, max_tasks=64, running=list(running), prefetch=64, prefetch_s=0.125,
+                        waiting=list(waiting))  # fmt: skip
+
+
+def test_with_prefetch_s_nothing_is_held_ahead_before_the_controller_saw_a_task_of_it_end(h: Harness) -> None:
+    w = h.worker(cpu=2.0)
+    tasks = [h.submit(gpu=GpuMode.NEVER) for _ in range(6)]
+    got = auto(h, w)
+    assert ids(got.leases) == tasks[:2] and not any(le.ahead for le in got.leases)
+
+
+def test_with_prefetch_s_tasks_known_short_are_held_ahead_up_to_the_budget_counting_those_waiting(
+    h: Harness,
+) -> None:
+    w = h.worker(cpu=2.0)
+    learn(h, w, "shout", 0.0625)  # a core each: 4 fit in 0.25 CPU-seconds
+    tasks = [h.submit(gpu=GpuMode.NEVER) for _ in range(10)]
+    got = auto(h, w)
+    assert ids(got.leases) == tasks[:6]
+    assert [le.ahead for le in got.leases] == [False] * 2 + [True] * 4
+    # while the four wait there, no more; one started in a freed slot: one more may wait
+    assert auto(h, w, running=tasks[:6], waiting=tasks[2:6]).leases == []
+    h.ctrl.complete(w, [Completion(tasks[0], 1, True, {"ok": True}, run_s=0.0625)])
+    got = auto(h, w, running=tasks[1:6], waiting=tasks[3:6])
+    assert ids(got.leases) == [tasks[6]] and got.leases[0].ahead
+
+
+def test_with_prefetch_s_a_long_task_at_the_head_stops_taking_ahead_and_a_short_one_fills_the_budget(
+    h: Harness,
+) -> None:
+    w = h.worker(cpu=2.0, variants=(SHOUT_CPU, HALF))
+    learn(h, w, "shout", 0.001)
+    learn(h, w, "half", 30.0)  # far beyond 0.125 s per core: never held waiting
+    first = [h.submit("shout", gpu=GpuMode.NEVER) for _ in range(2)]
+    long_one = h.submit("half", gpu=GpuMode.NEVER)
+    after = [h.submit("shout", gpu=GpuMode.NEVER) for _ in range(3)]
+    got = auto(h, w)
+    # its two cores run the first two; the long one cannot wait, and the short ones behind it must not overtake
+    assert ids(got.leases) == first and not any(le.ahead for le in got.leases)
+    assert [h.state(t) for t in [long_one, *after]] == [TaskState.QUEUED] * 4
+
+
+def test_with_prefetch_s_the_run_time_learned_is_a_moving_average_of_what_ended(h: Harness) -> None:
+    w = h.worker(cpu=2.0)
+    learn(h, w, "shout", 10.0)
+    tasks = [h.submit(gpu=GpuMode.NEVER) for _ in range(3)]
+    got = auto(h, w)
+    assert ids(got.leases) == tasks[:2] and not any(le.ahead for le in got.leases)  # ten seconds: none waits
+    for t in tasks[:2]:
+        h.ctrl.complete(w, [Completion(t, 1, True, {"ok": True}, run_s=0.001)])
+    assert [le.ahead for le in auto(h, w).leases] == [False]  # two quick ones do not outweigh it yet
+    h.ctrl.complete(w, [Completion(tasks[2], 1, True, {"ok": True}, run_s=0.001)])
+    for _ in range(20):  # it has run in a millisecond many times since: short now
+        learn(h, w, "shout", 0.001)
+    more = [h.submit(gpu=GpuMode.NEVER) for _ in range(5)]
+    assert [le.ahead for le in auto(h, w).leases] == [False] * 2 + [True] * 3
+    assert [h.state(t) for t in more] == [TaskState.LEASED] * 5
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    wait_s=st.floats(0.001, 10),
+    cpu=st.sampled_from([1.0, 2.0, 16.0]),
+    waiting=st.lists(st.tuples(st.one_of(st.none(), st.floats(0, 5)), st.sampled_from([0.1, 0.5, 1.0])),
+                     max_size=5),
+    offers=st.lists(st.tuples(st.one_of(st.none(), st.floats(0, 5)), st.sampled_from([0.1, 0.5, 1.0])),
+                    max_size=30),
+)  # fmt: skip
+def test_an_ahead_budget_never_books_more_expected_work_than_it_was_given_nor_an_unknown_run_time(
+    wait_s: float, cpu: float, waiting: list[tuple[float | None, float]],
+    offers: list[tuple[float | None, float]],
+) -> None:  # fmt: skip
+    from turnout.models import Worker, WorkerState
+    from turnout.placement import AheadBudget
+
+    worker = Worker("w", "w", "h", WorkerState.HEALTHY, (SHOUT_CPU,), cpu, 2**30, (), "pack", 0.0, 0.0, 1.0)
+    budget = AheadBudget.of(worker, waiting, wait_s)
+    given_s = wait_s * cpu - sum((r or 0.0) * c for r, c in waiting)
+    booked = [(r, c) for r, c in offers if budget.take(r, c)]
+    assert all(r is not None for r, _ in booked)
+    assert sum(r * c for r, c in booked if r is not None) <= max(given_s, 0.0) + 1e-9
+    # what it refused did not fit what was left when it came (or had no run time)
+    assert budget.left_s >= -1e-9 or not booked
+
+
 # ---- over the API --------------------------------------------------------------------------------
 
 
@@ -174,7 +271,9 @@ async def test_over_the_api_a_lease_and_a_completions_lease_say_which_tasks_wait
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("field,value", [("prefetch", -1), ("prefetch", 1001), ("prefetch", None),
-                                         ("prefetch", 2.5), ("prefetch", "many"), ("waiting", [7]), ("waiting", "t_1")])  # fmt: skip
+                                         ("prefetch", 2.5), ("prefetch", "many"), ("waiting", [7]), ("waiting", "t_1"),
+                                         ("prefetch_s", 0), ("prefetch_s", -1), ("prefetch_s", 3601),
+                                         ("prefetch_s", "soon")])  # fmt: skip
 async def test_a_lease_with_a_bad_prefetch_or_waiting_list_is_refused_naming_the_field(
     api: Api, field: str, value: object
 ) -> None:

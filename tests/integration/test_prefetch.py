@@ -102,3 +102,23 @@ def test_tasks_waiting_ahead_survive_a_controller_killed_and_restarted_and_each_
     ends = [t for what, t, _ in read_runs(log) if what == "end"]
     assert sorted(ends) == sorted(ids)
     assert max_overlap(read_runs(log)) == SLOTS
+
+
+def test_by_default_a_worker_holds_waiting_only_tasks_the_controller_saw_end_quickly(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    log = tmp_path / "runs.log"
+    cluster.start_worker(APP, extra=["--cpus", "0.1"])  # one slot; `--prefetch auto`, the default
+    for n in range(3):  # `count` ends in a moment: the controller learns it is short
+        assert cluster.result(cluster.submit("count", {"n": n})["id"])["state"] == "succeeded"
+    slow = cluster.submit("logged_sleep", {"seconds": 3, "log": str(log)})[
+        "id"
+    ]  # unknown yet: runs in the slot
+    wait_until_held(cluster, [slow], 1)
+    quick = [cluster.submit("count", {"n": n})["id"] for n in range(4)]
+    wait_until_held(cluster, quick, 4)  # short: they wait on the worker for the slot, not in the queue
+    behind = cluster.submit("logged_sleep", {"seconds": 0.1, "log": str(log)})["id"]
+    time.sleep(1.0)  # its run time is unknown: it stays in the queue while the slow one runs
+    assert states(cluster, [slow, behind]) == ["running", "queued"]
+    assert {cluster.result(t, wait=60)["state"] for t in [slow, *quick, behind]} == {"succeeded"}
+    assert max_overlap(read_runs(log)) == 1  # one slot: never two at once

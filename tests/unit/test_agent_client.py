@@ -20,7 +20,7 @@ from turnout.errors import InvalidInput
 from turnout.gpu.provider import discover
 from turnout.models import Device, Variant
 from turnout.resources import parse_resources
-from turnout.worker.agent import Agent, AgentSettings
+from turnout.worker.agent import Agent, AgentSettings, prefetch_of
 from turnout.worker.client import ControllerClient
 from turnout.worker.pools import ProcessPool, Runnable
 from turnout.worker.processes import EventSink, Outcome, ProtocolProcess
@@ -71,8 +71,9 @@ class FakeController:
     """Leases `first` on the first poll (saying more work waits: `backlog`), and `then` to the first completion
     that asks for work; records every call by path."""
 
-    def __init__(self, first: list[dict[str, Any]], then: list[dict[str, Any]]) -> None:
-        self.first, self.then = first, then
+    def __init__(self, first: list[dict[str, Any]], then: list[dict[str, Any]],
+                 features: tuple[str, ...] = ("complete_lease",)) -> None:  # fmt: skip
+        self.first, self.then, self.features = first, then, list(features)
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.results: dict[str, dict[str, Any]] = {}
         self.events: list[dict[str, Any]] = []
@@ -82,7 +83,7 @@ class FakeController:
         body = json.loads(request.content) if request.content else {}
         self.calls.append((path, body))
         if path == "/v1/workers/register":
-            return httpx.Response(200, json={"id": "w1", "secret": SECRET, "features": ["complete_lease"]})
+            return httpx.Response(200, json={"id": "w1", "secret": SECRET, "features": self.features})
         assert request.headers.get("X-Worker-Secret") == SECRET
         if path.endswith("/lifeline"):  # not held here: the agent keeps asking, with backoff
             return httpx.Response(503, json={"error": {"type": "unavailable", "message": "starting"}})
@@ -105,7 +106,9 @@ class FakeController:
         return httpx.Response(200, json={})
 
 
-def run_agent(fake: FakeController, cpus: float, max_processes: int | None, want: int) -> None:
+def run_agent(
+    fake: FakeController, cpus: float, max_processes: int | None, want: int, **options: Any
+) -> None:
     """Run an agent serving `double` until `want` results arrived (or 15 s passed), then stop it."""
 
     async def go() -> None:
@@ -113,7 +116,7 @@ def run_agent(fake: FakeController, cpus: float, max_processes: int | None, want
         runnable = Runnable(Variant("double", Device.CPU, parse_resources({"cpu": 1})), pool,
                             lambda lease: json.dumps(lease["input"]))  # fmt: skip
         settings = AgentSettings(controller_url="http://controller", token="t", name="w", gpus="none", cpus=cpus,
-                                 heartbeat_s=60, drain_grace_s=2)  # fmt: skip
+                                 heartbeat_s=60, drain_grace_s=2, **options)  # fmt: skip
         agent = Agent(settings, [runnable], discover("none"), transport=httpx.MockTransport(fake.handle))
         stop = asyncio.Event()
         running = asyncio.create_task(agent.run(stop))
@@ -162,6 +165,59 @@ def test_an_agent_running_three_tasks_at_once_starts_no_more_processes_than_max_
 
     assert {t: r["output"] for t, r in fake.results.items()} == {"a": {"n": 2}, "b": {"n": 4}, "c": {"n": 6}}
     assert Doubler.peak == 1 and Doubler.live == 0
+
+
+@pytest.mark.parametrize(
+    "features,options,asked",
+    [
+        # the default, `--prefetch auto`: 64 tasks at most, 0.1 s of work per core, only to a controller that
+        # tells short tasks from long (one that cannot would hold any task waiting here: it gets no prefetch)
+        (("complete_lease", "prefetch", "prefetch_s"), {}, {"prefetch": 64, "prefetch_s": 0.1}),
+        (("complete_lease", "prefetch"), {}, {}),
+        (
+            ("complete_lease", "prefetch"),
+            {"prefetch": 3, "prefetch_s": None},
+            {"prefetch": 3},
+        ),  # --prefetch 3
+        (
+            ("complete_lease", "prefetch", "prefetch_s"),
+            {"prefetch": 0, "prefetch_s": None},
+            {},
+        ),  # --prefetch 0
+    ],
+)
+def test_a_lease_asks_for_prefetch_as_set_and_as_the_controller_understands_it(
+    features: tuple[str, ...], options: dict[str, Any], asked: dict[str, Any]
+) -> None:
+    fake = FakeController([task("t1", 1)], [], features=features)
+    run_agent(fake, cpus=1, max_processes=None, want=1, **options)
+
+    polls = [body for path, body in fake.calls if path.endswith("/lease")]
+    assert polls
+    for body in polls:
+        assert {k: body[k] for k in ("prefetch", "prefetch_s") if k in body} == asked
+        assert ("waiting" in body) == bool(asked)
+
+
+@pytest.mark.parametrize(
+    "text,expected", [("auto", (64, 0.1)), ("AUTO", (64, 0.1)), ("0", (0, None)), ("12", (12, None))]
+)
+def test_prefetch_reads_auto_or_a_number_of_tasks(text: str, expected: tuple[int, float | None]) -> None:
+    assert prefetch_of(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "soon", "2.5", "auto2"])
+def test_a_prefetch_that_is_neither_auto_nor_a_number_is_refused_naming_the_option(text: str) -> None:
+    with pytest.raises(InvalidInput, match="--prefetch") as caught:
+        prefetch_of(text)
+    assert caught.value.field == "prefetch"
+
+
+@pytest.mark.parametrize("seconds", [0.0, -1.0, float("nan"), float("inf"), 3601.0])
+def test_a_prefetch_budget_that_is_no_number_of_seconds_is_refused_naming_it(seconds: float) -> None:
+    with pytest.raises(InvalidInput, match="prefetch_s") as caught:
+        AgentSettings(controller_url="http://c", token="t", prefetch_s=seconds)
+    assert caught.value.field == "prefetch_s"
 
 
 # ---- the client, call by call ----------------------------------------------------------------------------

@@ -127,7 +127,7 @@ def test_the_table_shows_versions_medians_and_celery_without_a_quarter_gpu_case(
     lines = markdown(summarize(systems)).splitlines()
 
     assert (
-        "| Turnout (SQLite fsync'd, --prefetch 4) | 1,234 | 98.7 | 15.50 / 31.00 | 13.20 (1.32) | 250 | yes (1 reps) |"
+        "| Turnout (SQLite fsync'd, defaults) | 1,234 | 98.7 | 15.50 / 31.00 | 13.20 (1.32) | 250 | yes (1 reps) |"
         in lines
     )
     assert (

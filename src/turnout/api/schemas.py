@@ -241,8 +241,9 @@ class HeartbeatIn(Strict):
 # worker uses only what its controller understands: "complete_lease": `complete` may carry `lease`; "chain":
 # chained pipeline stages; "lease_if_queued": that lease may ask only for what the results themselves queue;
 # "channel": leases and reports may go over the WebSocket `/v1/workers/{id}/channel` (api/channel.py);
-# "prefetch": a lease may ask for tasks to hold waiting beyond what runs (`prefetch`, `waiting`).
-WORKER_FEATURES = ("complete_lease", "chain", "lease_if_queued", "channel", "prefetch")
+# "prefetch": a lease may ask for tasks to hold waiting beyond what runs (`prefetch`, `waiting`);
+# "prefetch_s": only tasks known short, within that many seconds of work per core (`--prefetch auto`).
+WORKER_FEATURES = ("complete_lease", "chain", "lease_if_queued", "channel", "prefetch", "prefetch_s")
 
 
 class LeaseAskIn(Strict):
@@ -251,12 +252,14 @@ class LeaseAskIn(Strict):
     max_tasks: int = Field(16, ge=0, le=1000)
     running: list[TaskId] = Field(default_factory=list)
     prefetch: int = Field(0, ge=0, le=1000)  # tasks to hold waiting beyond what runs (`Controller.lease`)
+    # only tasks known short: at most this many seconds of expected work waiting per core (`--prefetch auto`)
+    prefetch_s: float | None = Field(None, gt=0, le=3600)
     waiting: list[TaskId] = Field(default_factory=list)  # of `running`, those not started yet
 
     def to_ask(self, tenant: str) -> LeaseAsk:
         """The ask of a worker that serves `tenant` (its credential's, never the body's)."""
         return LeaseAsk(self.max_tasks, tuple(self.running), tenant, prefetch=self.prefetch,
-                        waiting=tuple(self.waiting))  # fmt: skip
+                        prefetch_s=self.prefetch_s, waiting=tuple(self.waiting))  # fmt: skip
 
 
 class CompleteLeaseIn(LeaseAskIn):

@@ -56,6 +56,24 @@ from turnout.worker.slots import Slots
 log = logging.getLogger("turnout.worker")
 MAX_REPORT_BATCH = 5000
 MAX_PREFETCH = 1000  # the lease request's limit
+# `--prefetch auto` (the default): up to this many tasks held waiting, only tasks the controller has seen end in
+# a short time, and only while their expected work stays within this many seconds per core
+AUTO_PREFETCH = 64
+AUTO_PREFETCH_S = 0.1
+
+
+def prefetch_of(text: str) -> tuple[int, float | None]:
+    """`--prefetch`: `auto` (tasks known short, AUTO_PREFETCH_S of work per core at most), or N tasks of any
+    run time (0: none), as (prefetch, prefetch_s)."""
+    if text.strip().lower() == "auto":
+        return AUTO_PREFETCH, AUTO_PREFETCH_S
+    try:
+        return int(text), None
+    except ValueError:
+        raise InvalidInput(f"--prefetch: {text!r} is not auto or a number of tasks from 0 to {MAX_PREFETCH}",
+                           field="prefetch") from None  # fmt: skip
+
+
 # a report's ask for work: "always", or "if_queued": only for what its results queue themselves
 WorkAsk = Literal["always", "if_queued"]
 
@@ -71,7 +89,8 @@ class AgentSettings:
     memory_bytes: int | None = None  # default: this host's memory
     heartbeat_s: float = 5.0
     max_lease: int = 64
-    prefetch: int = 0  # tasks to hold waiting beyond what runs, so a slot that ends starts the next at once
+    prefetch: int = AUTO_PREFETCH  # tasks to hold waiting beyond what runs: a slot that ends starts the next
+    prefetch_s: float | None = AUTO_PREFETCH_S  # only tasks known short, this much work per core (None: any)
     drain_grace_s: float = 30.0
     canary_command: list[str] | None = None  # re-admits a quarantined GPU when it exits 0
     canary_backoff_s: float = 30.0  # first wait before a quarantined GPU's canary; doubles on failure
@@ -98,6 +117,10 @@ class AgentSettings:
         if not 0 <= self.prefetch <= MAX_PREFETCH:
             raise InvalidInput(f"--prefetch: {self.prefetch!r} is not a number of tasks from 0 to {MAX_PREFETCH}",
                                field="prefetch")  # fmt: skip
+        ahead_s = self.prefetch_s
+        if ahead_s is not None and not (math.isfinite(ahead_s) and 0 < ahead_s <= 3600):
+            raise InvalidInput(f"prefetch_s: {self.prefetch_s!r} is not a number of seconds above 0, up to 3600",
+                               field="prefetch_s")  # fmt: skip
 
 
 def _job_cpu(leases: list[dict[str, Any]]) -> float:
@@ -340,9 +363,14 @@ class Agent:
         """A request for work: how many tasks at most, what this worker holds, and with `prefetch`, how many
         it would hold waiting and which of those it holds have not started."""
         ask: dict[str, Any] = {"max_tasks": self.settings.max_lease, "running": self._held()}
-        if self.settings.prefetch and "prefetch" in self.client.features:
+        features, prefetch_s = self.client.features, self.settings.prefetch_s
+        # a controller that cannot tell short tasks from long gets no `auto` prefetch: it would hold any
+        knows = "prefetch" in features and (prefetch_s is None or "prefetch_s" in features)
+        if self.settings.prefetch and knows:
             ask["prefetch"] = self.settings.prefetch
             ask["waiting"] = sorted(self._waiting)
+            if prefetch_s is not None:
+                ask["prefetch_s"] = prefetch_s
         return ask
 
     def _cpus(self) -> float:
