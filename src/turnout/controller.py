@@ -523,6 +523,8 @@ class Controller:
                     # wait): what is taken ahead of it would take that room first, task after task, so nothing
                     # more is
                     where, ahead = None, None
+                elif where is None and placement.may_run_on_gpu(task, worker):
+                    ahead = None  # it waits for a GPU here: nothing after it is taken ahead of it
                 elif where is not None:
                     ahead_of.add(task.id)
                     placement.close(room)  # it waits for room: no task after it may take room before it
@@ -1065,12 +1067,14 @@ class Controller:
                     rode = t.alloc.batch_attempt if t.alloc else None
                     attempt = t.attempts if batch == t.id or rode is None else rode
                     held.append((t, grant, batch, attempt))
+        records = []
         for t, grant, task_id, attempt in held:
             start = t.leased_at  # a batch's tasks were leased together
-            self.audit("gpu_released", t.tenant, {"task": task_id, "attempt": attempt, "worker": t.worker_id,
-                                                  "gpus": list(grant.uuids), "memory_bytes": grant.memory_bytes,
-                                                  "start": start, "end": now,
-                                                  "seconds": round(now - start, 6) if start else None})  # fmt: skip
+            records.append((now, "gpu_released", t.tenant,
+                            {"task": task_id, "attempt": attempt, "worker": t.worker_id, "gpus": list(grant.uuids),
+                             "memory_bytes": grant.memory_bytes, "start": start, "end": now,
+                             "seconds": round(now - start, 6) if start else None}))  # fmt: skip
+        self.store.append_audit(records)
 
     # ---- reads for the API ----
     # What the routes, the dashboard and /metrics read: nothing above the controller holds the store.
@@ -1257,7 +1261,7 @@ class _LeaseReads:
         return profiles.Fleet(tuple(self.ctrl.runs.store.profiles()), tuple(self.healthy), active, queued)
 
     def gpu_fleet(self) -> placement.Fleet:
-        gpu_workers = [w for w in self.healthy if w.gpus and any(v.device is Device.GPU for v in w.variants)]
+        gpu_workers = [w for w in self.healthy if placement.gpu_worker(w)]
         active: dict[str, list[Task]] = {}
         for t in self.ctrl.store.active_tasks([w.id for w in gpu_workers]):
             active.setdefault(t.worker_id or "", []).append(t)

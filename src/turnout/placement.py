@@ -85,8 +85,8 @@ def room_of(worker: Worker, active: Sequence[Task]) -> Room:
 def ahead_room(worker: Worker, active: Sequence[Task], prefetch: int) -> Room | None:
     """What a worker with `prefetch` may still take to hold waiting for a free slot: its room counting every
     task it holds (running or waiting), widened by `prefetch` slots of its smallest variant; None: no
-    prefetch."""
-    if prefetch <= 0:
+    prefetch, or a worker with no CPU variant (only a CPU task may wait: `may_wait`)."""
+    if prefetch <= 0 or not any(v.device is Device.CPU for v in worker.variants):
         return None
     room = room_of(worker, active)
     room.cpu += prefetch * smallest_cpu(worker)
@@ -134,6 +134,17 @@ def may_wait(where: Placement) -> bool:
     """Whether a task placed so may wait on its worker for a free slot (`ahead_room`): only on a CPU variant
     with no GPU and no batch. A GPU, or a batch's wait for riders, is never held idle behind another task."""
     return where.device is Device.CPU and where.grant is None and where.batch is BatchRole.SOLO
+
+
+def gpu_worker(worker: Worker) -> bool:
+    """A worker the fleet choice weighs: it has GPUs and offers a GPU variant."""
+    return bool(worker.gpus) and any(v.device is Device.GPU for v in worker.variants)
+
+
+def may_run_on_gpu(task: Task, worker: Worker) -> bool:
+    """Whether `task` may run on a GPU variant of `worker` once its GPUs free: then no task taken ahead there
+    may overtake it (`may_wait`), though it does not fit now."""
+    return task.spec.gpu is not GpuMode.NEVER and Device.GPU in worker.offers(task.spec.capability)
 
 
 def try_gpu(room: Room, res: Resources, task: Task) -> GpuGrant | None:
@@ -318,6 +329,7 @@ class Facts:
     _auto: profiles.Fleet | None = None
     _fleet: Fleet | None = None
     _serves: Mapping[str, str] | None = None
+    _gpu_workers: frozenset[str] | None = None
 
     def cluster(self, task: Task) -> ClusterView:
         key = view_key(task)
@@ -335,6 +347,13 @@ class Facts:
         if self._fleet is None:
             self._fleet = self.reads.gpu_fleet()
         return self._fleet
+
+    def other_gpu_workers(self, worker_id: str) -> bool:
+        """Whether a healthy GPU worker other than `worker_id` could be the fleet's choice for a GPU task: with
+        none, the choice is this worker or none, and the fleet (every GPU worker's tasks) is not read."""
+        if self._gpu_workers is None:
+            self._gpu_workers = frozenset(w.id for w in self.workers if gpu_worker(w))
+        return len(self._gpu_workers) > (worker_id in self._gpu_workers)
 
     def serves(self) -> Mapping[str, str]:
         if self._serves is None:
@@ -439,7 +458,7 @@ def place(task: Task, worker: Worker, room: Room, facts: Facts, *, now: float,
         decision = route(task.spec.gpu, waited, task.spec.gpu_wait_s, offer, cluster)
     if decision is None or _leave_for_warm(task, worker, facts, decision.device, waited):
         return None
-    if decision.device is Device.GPU and gpu_res is not None:
+    if decision.device is Device.GPU and gpu_res is not None and facts.other_gpu_workers(worker.id):
         fleet = facts.fleet()
         fleet.update(worker.id, room)
         best = fleet.best(gpu_res, task)

@@ -110,6 +110,29 @@ def test_a_gpu_task_is_never_leased_ahead_nor_starved_by_cpu_tasks_taken_ahead(h
     assert h.state(more[2]) is TaskState.QUEUED
 
 
+def test_a_gpu_task_waiting_for_this_workers_busy_gpu_stops_cpu_tasks_being_taken_ahead_of_it(
+    h: Harness,
+) -> None:
+    w = h.worker(cpu=3.0, gpus=1, variants=(SHOUT_CPU, RENDER_GPU))
+    first, second = h.submit("render", gpu=GpuMode.REQUIRE), h.submit("render", gpu=GpuMode.REQUIRE)
+    cpu_tasks = [h.submit(gpu=GpuMode.NEVER) for _ in range(3)]
+    got = lease(h, w, prefetch=4)
+    # the GPU runs the first; the second waits for it in the queue; CPU tasks take the free cores, but none is
+    # taken ahead of the second (each would take the core it needs when the GPU frees)
+    assert ids(got.leases) == [first, *cpu_tasks[:2]] and not any(le.ahead for le in got.leases)
+    assert (h.state(second), h.state(cpu_tasks[2])) == (TaskState.QUEUED, TaskState.QUEUED)
+
+
+def test_a_worker_with_no_cpu_variant_has_no_room_ahead(h: Harness) -> None:
+    from turnout import placement
+
+    gpu_only = h.ctrl.store.get_worker(h.worker("g", variants=(RENDER_GPU,), gpus=2, cpu=2.0))
+    mixed = h.ctrl.store.get_worker(h.worker("m", variants=(SHOUT_CPU, RENDER_GPU), gpus=2, cpu=2.0))
+    assert gpu_only is not None and mixed is not None
+    assert placement.ahead_room(gpu_only, [], 64) is None
+    assert placement.ahead_room(mixed, [], 64) is not None
+
+
 def test_a_task_that_prefers_a_gpu_busy_elsewhere_is_not_taken_ahead_to_a_cpu(h: Harness) -> None:
     gpu_worker = h.worker("g", variants=(SHOUT_GPU,), gpus=1, cpu=4.0)
     busy = h.submit(gpu=GpuMode.REQUIRE)
