@@ -125,20 +125,31 @@ class RecentRunTimes:
     """Each capability's recent run time per device class, as this controller saw its results end: what a
     worker's `--prefetch auto` is weighed on before a task is held waiting there (`Controller.lease`).
 
-    In memory, not the stored profiles: it is asked on every lease, which a database read would slow, and
-    a restarted controller learns it again from the next results (until then, nothing is held waiting)."""
+    A cautious figure, as TCP bounds a round trip (RFC 6298): the moving average plus four times the moving
+    mean deviation, so a capability that now and then runs long is not taken for a short one. In memory, not
+    the stored profiles: it is asked on every lease, which a database read would slow, and a restarted
+    controller learns it again from the next results (until then, nothing is held waiting)."""
+
+    SMOOTH = 0.125  # weight of the newest run in the average (RFC 6298's alpha)
+    SPREAD = 0.25  # and in the mean deviation (its beta)
 
     def __init__(self) -> None:
-        self._run_s: dict[tuple[str, str], float] = {}
+        self._stats: dict[tuple[str, str], tuple[float, float]] = {}  # (average, mean deviation)
 
     def note(self, capability: str, device: str, run_s: float) -> None:
         key = (capability, device)
-        before = self._run_s.get(key)
-        self._run_s[key] = run_s if before is None else before + EWMA * (run_s - before)
+        before = self._stats.get(key)
+        if before is None:
+            self._stats[key] = (run_s, run_s / 2)
+            return
+        mean, deviation = before
+        deviation += self.SPREAD * (abs(run_s - mean) - deviation)
+        self._stats[key] = (mean + self.SMOOTH * (run_s - mean), deviation)
 
     def expected(self, capability: str, device: str) -> float | None:
-        """Its moving average of run seconds; None before a task of it ended here."""
-        return self._run_s.get((capability, device))
+        """Seconds a task of it likely stays within; None before a task of it ended here."""
+        stats = self._stats.get((capability, device))
+        return None if stats is None else stats[0] + 4 * stats[1]
 
 
 def learned_gpu_memory(profiles: Iterable[Profile]) -> int | None:

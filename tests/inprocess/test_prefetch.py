@@ -176,11 +176,12 @@ def test_a_shared_worker_whose_room_is_kept_for_tenants_takes_nothing_ahead() ->
 # ---- `--prefetch auto`: only tasks known short, within a budget of expected work ----------------------
 
 
-def learn(h: Harness, w: str, capability: str, run_s: float) -> None:
-    """One task of `capability` runs on `w` for `run_s` and succeeds: the controller now knows its run time."""
-    task = h.submit(capability, gpu=GpuMode.NEVER)
-    assert ids(lease(h, w, prefetch=0).leases) == [task]
-    h.ctrl.complete(w, [Completion(task, 1, True, {"ok": True}, run_s=run_s)])
+def learn(h: Harness, w: str, capability: str, run_s: float, times: int = 1) -> None:
+    """Tasks of `capability` run on `w` for `run_s` each and succeed: the controller now knows its run time."""
+    for _ in range(times):
+        task = h.submit(capability, gpu=GpuMode.NEVER)
+        assert ids(lease(h, w, prefetch=0).leases) == [task]
+        h.ctrl.complete(w, [Completion(task, 1, True, {"ok": True}, run_s=run_s)])
 
 
 def auto(h: Harness, w: str, running: Sequence[str] = (), waiting: Sequence[str] = ()) -> LeaseResult:
@@ -200,16 +201,17 @@ def test_with_prefetch_s_tasks_known_short_are_held_ahead_up_to_the_budget_count
     h: Harness,
 ) -> None:
     w = h.worker(cpu=2.0)
-    learn(h, w, "shout", 0.0625)  # a core each: 4 fit in 0.25 CPU-seconds
-    tasks = [h.submit(gpu=GpuMode.NEVER) for _ in range(10)]
+    # 10 ms, always: its deviation all but gone, a core each, 24 fit in 0.25 CPU-seconds (25 would need 10 ms flat)
+    learn(h, w, "shout", 0.01, times=30)
+    tasks = [h.submit(gpu=GpuMode.NEVER) for _ in range(40)]
     got = auto(h, w)
-    assert ids(got.leases) == tasks[:6]
-    assert [le.ahead for le in got.leases] == [False] * 2 + [True] * 4
-    # while the four wait there, no more; one started in a freed slot: one more may wait
-    assert auto(h, w, running=tasks[:6], waiting=tasks[2:6]).leases == []
-    h.ctrl.complete(w, [Completion(tasks[0], 1, True, {"ok": True}, run_s=0.0625)])
-    got = auto(h, w, running=tasks[1:6], waiting=tasks[3:6])
-    assert ids(got.leases) == [tasks[6]] and got.leases[0].ahead
+    assert ids(got.leases) == tasks[:26]
+    assert [le.ahead for le in got.leases] == [False] * 2 + [True] * 24
+    # while the 24 wait there, no more; one started in a freed slot: one more may wait
+    assert auto(h, w, running=tasks[:26], waiting=tasks[2:26]).leases == []
+    h.ctrl.complete(w, [Completion(tasks[0], 1, True, {"ok": True}, run_s=0.01)])
+    got = auto(h, w, running=tasks[1:26], waiting=tasks[3:26])
+    assert ids(got.leases) == [tasks[26]] and got.leases[0].ahead
 
 
 def test_with_prefetch_s_a_long_task_at_the_head_stops_taking_ahead_and_a_short_one_fills_the_budget(
@@ -227,7 +229,9 @@ def test_with_prefetch_s_a_long_task_at_the_head_stops_taking_ahead_and_a_short_
     assert [h.state(t) for t in [long_one, *after]] == [TaskState.QUEUED] * 4
 
 
-def test_with_prefetch_s_the_run_time_learned_is_a_moving_average_of_what_ended(h: Harness) -> None:
+def test_with_prefetch_s_a_capability_that_ran_long_is_short_again_only_after_many_quick_runs(
+    h: Harness,
+) -> None:
     w = h.worker(cpu=2.0)
     learn(h, w, "shout", 10.0)
     tasks = [h.submit(gpu=GpuMode.NEVER) for _ in range(3)]
@@ -237,8 +241,16 @@ def test_with_prefetch_s_the_run_time_learned_is_a_moving_average_of_what_ended(
         h.ctrl.complete(w, [Completion(t, 1, True, {"ok": True}, run_s=0.001)])
     assert [le.ahead for le in auto(h, w).leases] == [False]  # two quick ones do not outweigh it yet
     h.ctrl.complete(w, [Completion(tasks[2], 1, True, {"ok": True}, run_s=0.001)])
-    for _ in range(20):  # it has run in a millisecond many times since: short now
-        learn(h, w, "shout", 0.001)
+    learn(h, w, "shout", 0.001, times=20)  # twenty quick ones since: the ten seconds still weigh
+    check = [h.submit(gpu=GpuMode.NEVER) for _ in range(3)]
+    got = auto(h, w)
+    assert ids(got.leases) == check[:2] and not any(le.ahead for le in got.leases)
+    assert h.state(check[2]) is TaskState.QUEUED
+    for t in check[:2]:
+        h.ctrl.complete(w, [Completion(t, 1, True, {"ok": True}, run_s=0.001)])
+    assert ids(lease(h, w, prefetch=0).leases) == [check[2]]
+    h.ctrl.complete(w, [Completion(check[2], 1, True, {"ok": True}, run_s=0.001)])
+    learn(h, w, "shout", 0.001, times=80)  # a hundred and more: short now
     more = [h.submit(gpu=GpuMode.NEVER) for _ in range(5)]
     assert [le.ahead for le in auto(h, w).leases] == [False] * 2 + [True] * 3
     assert [h.state(t) for t in more] == [TaskState.LEASED] * 5
