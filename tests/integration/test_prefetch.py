@@ -109,14 +109,15 @@ def test_by_default_a_worker_holds_waiting_only_tasks_the_controller_saw_end_qui
 ) -> None:
     log = tmp_path / "runs.log"
     cluster.start_worker(APP, extra=["--cpus", "0.1"])  # one slot; `--prefetch auto`, the default
-    for n in range(3):  # `count` ends in a moment: the controller learns it is short
+    for n in range(6):  # `count` ends in a moment: the controller learns it is short
         assert cluster.result(cluster.submit("count", {"n": n})["id"])["state"] == "succeeded"
-    slow = cluster.submit("logged_sleep", {"seconds": 3, "log": str(log)})[
-        "id"
-    ]  # unknown yet: runs in the slot
+    # its run time unknown yet, it runs in the slot
+    slow = cluster.submit("logged_sleep", {"seconds": 5, "log": str(log)})["id"]
     wait_until_held(cluster, [slow], 1)
     quick = [cluster.submit("count", {"n": n})["id"] for n in range(4)]
-    wait_until_held(cluster, quick, 4)  # short: they wait on the worker for the slot, not in the queue
+    # short: they wait on the worker for the slot, not in the queue; as many as 0.1 s of their expected work
+    # per core allows (a few ms each, more on a loaded host): one at least, never none as without prefetch
+    wait_until_held(cluster, quick, 1)
     behind = cluster.submit("logged_sleep", {"seconds": 0.1, "log": str(log)})["id"]
     time.sleep(1.0)  # its run time is unknown: it stays in the queue while the slow one runs
     assert states(cluster, [slow, behind]) == ["running", "queued"]
