@@ -483,7 +483,7 @@ class Controller:
         ahead = placement.ahead_room(worker, list(mine.values()), prefetch) if shares is None else None
         budget = None  # with `prefetch_s`: the expected work it may still hold waiting
         if ahead is not None and prefetch_s is not None:
-            held_waiting = [(self._run_times.expected(t.spec.capability, Device.CPU.value), t.alloc.cpu)
+            held_waiting = [(self._expected_cpu_s(t), t.alloc.cpu)
                             for t in mine.values() if t.id in waits and t.alloc is not None]  # fmt: skip
             budget = placement.AheadBudget.of(worker, held_waiting, prefetch_s)
         if ahead is not None and not waits.isdisjoint(mine):
@@ -516,9 +516,8 @@ class Controller:
             where = placement.place(task, worker, room, facts, now=now, book=book)
             if where is None and ahead is not None and placement.has_room(ahead, smallest):
                 where = placement.place(task, worker, ahead, facts, now=now)
-                expected = self._run_times.expected(task.spec.capability, Device.CPU.value)
                 if where is not None and (not placement.may_wait(where) or (
-                        budget is not None and not budget.take(expected, where.resources.cpu))):  # fmt: skip
+                        budget is not None and not budget.take(self._expected_cpu_s(task), where.resources.cpu))):  # fmt: skip
                     # it would run here once room frees (a GPU, a batch, a task not known short enough to
                     # wait): what is taken ahead of it would take that room first, task after task, so nothing
                     # more is
@@ -567,6 +566,10 @@ class Controller:
         full = bool(leases) and room.cpu + 1e-9 < smallest and not placement.has_room(ahead, smallest)
         return LeaseResult(leases, cancel, full=full, retry_in_s=retry_in_s, backlog=backlog, fresh=fresh,
                            finished=finished, offers=offers, looked=True)  # fmt: skip
+
+    def _expected_cpu_s(self, task: Task) -> float | None:
+        """How long a task of this capability likely runs on a CPU, as results here said (`--prefetch auto`)."""
+        return self._run_times.expected(task.spec.capability, Device.CPU.value)
 
     def _reservations(
         self, worker: Worker, mine: Iterable[Task], tenant: str, now: float
