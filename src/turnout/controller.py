@@ -56,8 +56,9 @@ log = logging.getLogger("turnout.controller")
 
 ACTIVE = tuple(ACTIVE_STATES)
 LIVE_WORKER_STATES = (WorkerState.HEALTHY, WorkerState.DRAINING)
-RETRYABLE_ERRORS = frozenset({"gpu_oom", "worker_lost", "gpu_scrub_failed"})
-AVOID_GPU_ERRORS = frozenset({"gpu_oom", "gpu_scrub_failed"})  # a retry goes to another GPU, not this one
+RETRYABLE_ERRORS = frozenset({"gpu_oom", "worker_lost", "gpu_scrub_failed", "gpu_quarantined"})
+# a retry goes to another GPU, not this one
+AVOID_GPU_ERRORS = frozenset({"gpu_oom", "gpu_scrub_failed", "gpu_quarantined"})
 WORKER_CACHE_S = 0.25  # how stale this controller's copy of the worker list may be
 RUNNING_AFTER_S = 0.5  # a leased task the worker reports as running is marked so after this long
 # A lease the worker does not list as held this long after it was given (at least; or one heartbeat period if
@@ -110,6 +111,7 @@ class LeaseAsk:
     prefetch: int = 0  # tasks it would hold waiting beyond what runs (`Controller.lease`)
     prefetch_s: float | None = None  # only tasks known short, this many seconds of their work per core
     waiting: Sequence[str] = ()  # of `running`, those still waiting there for a free slot
+    prefetch_gpu: bool = False  # GPU tasks may be held waiting too, each `after` a running one
 
 
 @dataclass(frozen=True)
@@ -409,6 +411,7 @@ class Controller:
         prefetch: int = 0,
         prefetch_s: float | None = None,
         waiting: Sequence[str] = (),
+        prefetch_gpu: bool = False,
     ) -> LeaseResult:
         """Give the worker queued tasks that fit its free resources, routed per their `gpu` value.
 
@@ -437,6 +440,9 @@ class Controller:
         `--prefetch auto`): only tasks whose recent run time on the CPU this controller knows are held ahead, and
         only while the expected work waiting there stays within `prefetch_s` of the worker's cores
         (`placement.AheadBudget`): a task of unknown or too long a run time stops taking ahead, as a GPU does.
+        `prefetch_gpu` (a worker that starts a lease's `after` task only when that task ends there): a GPU task
+        may be held waiting too, each following a running GPU task on its share (`placement.Followers`); one
+        that no running task may lead stops taking ahead.
 
         Room is computed from the store, after waiting for any other lease of this worker to commit
         (`hold_worker`): two requests at once, on one controller or two, never over-commit it.
@@ -476,19 +482,26 @@ class Controller:
             )
         if worker.state is not WorkerState.HEALTHY or max_tasks <= 0:
             return LeaseResult([], cancel, fresh=fresh, finished=finished, offers=offers)
-        room = placement.room_of(worker, [t for t in mine.values() if t.id not in waits])
+        # a task waiting with a GPU grant holds it already (its leader's share: `placement.Followers`)
+        room = placement.room_of(worker, [t for t in mine.values() if t.id not in waits or t.gpus])
         smallest = placement.smallest_cpu(worker)
         shares = self._reservations(worker, mine.values(), tenant, now)  # tenancy.Reservations
         # what it may hold running and waiting together (None: no prefetch)
         ahead = placement.ahead_room(worker, list(mine.values()), prefetch) if shares is None else None
+        followers = (placement.Followers.of(worker, list(mine.values()), held, waits, prefetch)
+                     if shares is None and prefetch > 0 and prefetch_gpu else None)  # fmt: skip
         budget = None  # with `prefetch_s`: the expected work it may still hold waiting
-        if ahead is not None and prefetch_s is not None:
-            held_waiting = [(self._expected_cpu_s(t), t.alloc.cpu)
+        if (ahead is not None or followers is not None) and prefetch_s is not None:
+            held_waiting = [(self._expected_run_s(t), t.alloc.cpu)
                             for t in mine.values() if t.id in waits and t.alloc is not None]  # fmt: skip
             budget = placement.AheadBudget.of(worker, held_waiting, prefetch_s)
-        if ahead is not None and not waits.isdisjoint(mine):
+        if (ahead is not None or followers is not None) and not waits.isdisjoint(mine):
             placement.close(room)  # tasks wait there for room: they take it first, in the order they came
-        if room.cpu + 1e-9 < smallest and not placement.has_room(ahead, smallest):
+
+        def may_lead() -> bool:  # a task held here may still have a task follow it
+            return followers is not None and bool(followers.leaders) and followers.left > 0
+
+        if room.cpu + 1e-9 < smallest and not placement.has_room(ahead, smallest) and not may_lead():
             # nothing it offers fits now
             return LeaseResult(
                 [], cancel, full=True, backlog=True, fresh=fresh, finished=finished, offers=offers
@@ -498,7 +511,9 @@ class Controller:
         book = BatchBook()  # batched variants: tasks that ride on their leader's grant (batching.py)
         # read what fits and one more (to tell the worker more waits); further, in growing pages, only while
         # the head of the queue is not for us (store.base.queue_pages): each row read costs its decoding
-        free_cpu = max(room.cpu, ahead.cpu if ahead is not None else 0.0)
+        free_cpu = max(room.cpu, ahead.cpu if ahead is not None else 0.0) + (
+            followers.cpu() if followers else 0.0
+        )
         slots = min(max_tasks, int((free_cpu + 1e-9) / smallest) if smallest > 0 else max_tasks)
         window = min(self.settings.lease_window, slots + 1)
         if shares is not None and not shares.anyone_may_take(smallest, room.cpu):
@@ -507,17 +522,31 @@ class Controller:
             return LeaseResult([], cancel, fresh=fresh, finished=finished, offers=offers, barred=barred)
         placed: list[tuple[Task, placement.Placement]] = []
         ahead_of: set[str] = set()  # the placed tasks that wait on the worker for room
+        after: dict[str, str] = {}  # a placed GPU task held ahead -> the running task it follows
         seen = 0
         for task in self._queue({v.capability for v in worker.variants}, window, tenant):
             seen += 1
             if len(placed) >= max_tasks or (room.cpu + 1e-9 < smallest and not book.has_room()
-                                            and not placement.has_room(ahead, smallest)):  # fmt: skip
+                                            and not placement.has_room(ahead, smallest) and not may_lead()):  # fmt: skip
                 break
             where = placement.place(task, worker, room, facts, now=now, book=book)
+            leader = None
+            if where is None and may_lead() and placement.may_run_on_gpu(task, worker):
+                assert followers is not None
+                found = followers.place(task, facts, now=now)
+                if found is None:
+                    followers = None  # no task after it may follow a GPU task ahead of it
+                elif budget is not None and not budget.take(self._expected_run_s(task, Device.GPU),
+                                                            found[0].resources.cpu):  # fmt: skip
+                    followers, ahead = None, None  # not known short enough to wait: nothing more waits
+                else:
+                    (where, leader), after[task.id] = found, found[1].id
+                    ahead_of.add(task.id)
+                    placement.close(room)  # it waits for its leader: no task after it may take room first
             if where is None and ahead is not None and placement.has_room(ahead, smallest):
                 where = placement.place(task, worker, ahead, facts, now=now)
                 if where is not None and (not placement.may_wait(where) or (
-                        budget is not None and not budget.take(self._expected_cpu_s(task), where.resources.cpu))):  # fmt: skip
+                        budget is not None and not budget.take(self._expected_run_s(task), where.resources.cpu))):  # fmt: skip
                     # it would run here once room frees (a GPU, a batch, a task not known short enough to
                     # wait): what is taken ahead of it would take that room first, task after task, so nothing
                     # more is
@@ -540,6 +569,8 @@ class Controller:
                     room.take(task, where)
                 if ahead is not None:
                     ahead.take(task, where)
+                if followers is not None:
+                    followers.record(task, where, leader)
                 facts.record(task, where)
                 if where.batch is placement.BatchRole.LEADER:
                     book.start(task, where.device, where.variant, where.grant, where.gpu_share,
@@ -554,7 +585,7 @@ class Controller:
             retry_in_s = min(b.wait_left_s(now) for b in filling)
         leases: list[Lease] = []
         if placed:
-            leased = [_leased(task, where, worker_id, now, book, ahead=task.id in ahead_of)
+            leased = [_leased(task, where, worker_id, now, book, ahead=task.id in ahead_of, after=after.get(task.id))
                       for task, where in placed]  # fmt: skip
             won = set(self.store.update_tasks([change for change, _ in leased]))
             leases = [lease for _, lease in leased if lease.task.id in won]
@@ -563,13 +594,19 @@ class Controller:
                 self.gpu_allocations.take(lease.task.tenant)
             self._audit_allocations(worker_id, allocated, now)
         # what it was given filled it
-        full = bool(leases) and room.cpu + 1e-9 < smallest and not placement.has_room(ahead, smallest)
+        full = (
+            bool(leases)
+            and room.cpu + 1e-9 < smallest
+            and not placement.has_room(ahead, smallest)
+            and not may_lead()
+        )
         return LeaseResult(leases, cancel, full=full, retry_in_s=retry_in_s, backlog=backlog, fresh=fresh,
                            finished=finished, offers=offers, looked=True)  # fmt: skip
 
-    def _expected_cpu_s(self, task: Task) -> float | None:
-        """How long a task of this capability likely runs on a CPU, as results here said (`--prefetch auto`)."""
-        return self._run_times.expected(task.spec.capability, Device.CPU.value)
+    def _expected_run_s(self, task: Task, device: Device | None = None) -> float | None:
+        """How long a task of this capability likely runs on `device` (default: where it was leased, else a
+        CPU), as results here said (`--prefetch auto`)."""
+        return self._run_times.expected(task.spec.capability, (device or task.device or Device.CPU).value)
 
     def _reservations(
         self, worker: Worker, mine: Iterable[Task], tenant: str, now: float
@@ -688,7 +725,7 @@ class Controller:
                 if (queued_here or not ask.if_queued) and self._tenants_queued():
                     got = self.offer(worker_id, max_tasks=ask.max_tasks, running=running, tenant=ask.tenant,
                                      prefetch=ask.prefetch, prefetch_s=ask.prefetch_s,
-                                     waiting=ask.waiting)  # fmt: skip
+                                     waiting=ask.waiting, prefetch_gpu=ask.prefetch_gpu)  # fmt: skip
             except NotFound:  # it left (or was never here): its verdicts stand, and it gets no work
                 pass
         return Exchange(accepted, refused, queued, got, settled.chains, settled.runs, ended_tasks, ended_runs)
@@ -1037,12 +1074,14 @@ class Controller:
         return len(scrubs)
 
     def _audit_allocations(self, worker_id: str, leases: Sequence[Lease], now: float) -> None:
-        """One `gpu_allocated` per GPU grant; the same (task, attempt) gets exactly one `gpu_released`."""
+        """One `gpu_allocated` per GPU grant; the same (task, attempt) gets exactly one `gpu_released`. A task
+        held ahead on another's share names it (`after`): it holds the share from that task's end."""
         self.store.append_audit(
             [(now, "gpu_allocated", lease.task.tenant,
               {"task": lease.task.id, "attempt": lease.task.attempts, "worker": worker_id,
                "gpus": list(lease.grant.uuids) if lease.grant else [],
-               "memory_bytes": lease.grant.memory_bytes if lease.grant else None, "start": now})
+               "memory_bytes": lease.grant.memory_bytes if lease.grant else None, "start": now,
+               **({"after": lease.after} if lease.after else {})})
              for lease in leases]
         )  # fmt: skip
 
@@ -1213,7 +1252,7 @@ def _no_capacity(task: Task) -> dict[str, Any]:
 
 
 def _leased(task: Task, where: placement.Placement, worker_id: str, now: float,
-            book: BatchBook, *, ahead: bool = False) -> tuple[Change, Lease]:  # fmt: skip
+            book: BatchBook, *, ahead: bool = False, after: str | None = None) -> tuple[Change, Lease]:  # fmt: skip
     """The row change that leases `task` as placed, and what the worker receives for it."""
     gpus = where.gpus()
     kept = task.routing.carried() if task.routing else Routing()
@@ -1225,14 +1264,14 @@ def _leased(task: Task, where: placement.Placement, worker_id: str, now: float,
         lease_batch = task.id if where.batch is placement.BatchRole.LEADER else None
         alloc = Allocation(cpu=where.resources.cpu, memory=where.resources.memory_bytes,
                            gpu_share=where.gpu_share if where.grant is not None else None, batch=lease_batch,
-                           ahead=ahead)  # fmt: skip
+                           ahead=ahead, after=after)  # fmt: skip
     values = {"state": TaskState.LEASED, "worker_id": worker_id, "device": where.device, "gpus": gpus,
               "gpu_model": where.grant.model if where.grant else None, "routing": routing, "leased_at": now,
               "attempts": task.attempts + 1, "unservable_since": None, "alloc": alloc}  # fmt: skip
     leased = replace(task, state=TaskState.LEASED, worker_id=worker_id, device=where.device, gpus=gpus,
                      routing=routing, attempts=task.attempts + 1, leased_at=now)  # fmt: skip
     return (task.id, (TaskState.QUEUED,), task.attempts, values), Lease(
-        leased, where.device, where.resources, gpus, lease_batch, ahead=ahead
+        leased, where.device, where.resources, gpus, lease_batch, ahead=ahead, after=after
     )
 
 

@@ -192,10 +192,13 @@ class Allocation:
     # leased ahead of a free slot (the worker's `prefetch`): it waits on the worker until room frees there, and
     # its timeout counts from when it starts, not from its lease
     ahead: bool = False
+    # a GPU task held ahead: the task on whose GPU share it waits, and whose CPU it takes when that one ends
+    # (`placement.Followers`)
+    after: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"cpu": self.cpu, "memory": self.memory}
-        for name in ("gpu_share", "batch", "batch_attempt"):
+        for name in ("gpu_share", "batch", "batch_attempt", "after"):
             if (value := getattr(self, name)) is not None:
                 out[name] = value
         if self.ahead:
@@ -209,7 +212,8 @@ class Allocation:
         share, attempt = d.get("gpu_share"), d.get("batch_attempt")
         return cls(cpu=float(d.get("cpu") or 0), memory=int(d.get("memory") or 0),
                    gpu_share=None if share is None else float(share), batch=d.get("batch"),
-                   batch_attempt=None if attempt is None else int(attempt), ahead=bool(d.get("ahead")))  # fmt: skip
+                   batch_attempt=None if attempt is None else int(attempt), ahead=bool(d.get("ahead")),
+                   after=d.get("after"))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -277,6 +281,7 @@ class Lease:
     batch: str | None = None  # the leader's task id, for every task leased in a batch (batching.py)
     chain: tuple[ChainStep, ...] = ()  # the pipeline stages after this one that may run right after it, here
     ahead: bool = False  # leased ahead of a free slot: it waits on the worker for room (Allocation.ahead)
+    after: str | None = None  # a GPU task held ahead: it starts when this task, whose share it takes, ends
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,101 @@ class AheadBudget:
         return True
 
 
+@dataclass
+class Followers:
+    """GPU tasks held ahead (`--prefetch` with `prefetch_gpu`): each follows one running GPU task of its worker
+    (its leader: `Allocation.after`), waits there until the leader ends, and then takes the leader's CPU and
+    memory, so a GPU share that frees starts the next task at once instead of idling through the round trip
+    that reports the last one. A follower may be followed in turn (each waits for the one before it), up to
+    `prefetch` followers waiting on the worker.
+
+    A leader and its follower never run at once, so where the follower's grant is within its leader's (the
+    same units, no more memory) the pair holds the leader's share only; any other follower's grant counts as
+    held beside it. A new follower's GPUs are placed in the worker's GPUs less all that, but its leader's
+    grant: its leader's share, or any share free now. Whatever starts there later was placed with it counted,
+    and the leader has ended by then, so no share is held twice. A leader is a solo task, never a batch's or
+    a pipeline stage's (a chained stage takes its room over), of the follower's tenant (no scrub between
+    them), with no follower yet: one task waits per task it holds, at most.
+    """
+
+    worker: Worker
+    held: list[Task]  # every task the worker holds, running or waiting
+    leaders: list[Task]  # solo GPU tasks it holds that no task follows yet, oldest lease first
+    left: int  # followers it may still hold waiting
+    # placed in this request: (task, placement, the leader it follows or None)
+    placed: list[tuple[Task, Placement, Task | None]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, worker: Worker, held: Sequence[Task], listed: Iterable[str], waiting: Iterable[str],
+           prefetch: int) -> Followers:  # fmt: skip
+        """Of the tasks `worker` holds, those it listed (running, or a follower waiting) may lead; `prefetch`
+        followers may wait there at most."""
+        followed = {t.alloc.after for t in held if t.alloc is not None and t.alloc.after}
+        known, waits = set(listed), set(waiting)
+        leaders = [t for t in held if t.id in known and t.id not in followed and t.gpus is not None
+                   and t.alloc is not None and t.alloc.batch is None and t.pipeline_run_id is None
+                   and (t.id not in waits or t.alloc.after)]  # fmt: skip
+        leaders.sort(key=lambda t: t.leased_at or 0.0)
+        following = sum(1 for t in held if t.id in waits and t.alloc is not None and t.alloc.after)
+        return cls(worker, list(held), leaders, prefetch - following)
+
+    def cpu(self) -> float:
+        """The cores the followers this request may still place would take over."""
+        return sum(t.alloc.cpu for t in self.leaders[: max(self.left, 0)] if t.alloc is not None)
+
+    def place(self, task: Task, facts: Facts, *, now: float) -> tuple[Placement, Task] | None:
+        """Where `task` goes as a follower here, and the task it follows; None: no leader's room takes it."""
+        if self.left <= 0:
+            return None
+        by_id = {t.id: t for t in self.held}
+        within = {t.id for t in self.held if t.alloc is not None and t.alloc.after
+                  and _within(t.gpus, by_id.get(t.alloc.after))}  # fmt: skip
+        tried: set[tuple[Any, ...]] = set()
+        for leader in self.leaders:
+            alloc, grant = leader.alloc, leader.gpus
+            assert alloc is not None and grant is not None  # `of` keeps only such leaders
+            shape = (leader.tenant, alloc.cpu, alloc.memory, grant.memory_bytes, grant.exclusive, grant.uuids)
+            if leader.tenant != task.tenant or shape in tried:
+                continue
+            tried.add(shape)
+            ended = _chain(leader, by_id)  # once the leader ends, every task it followed has ended too
+            room = room_of(self.worker, [t for t in self.held if t.id not in ended and t.id not in within])
+            for other, at, led_by in self.placed:
+                if led_by is None or not _within(at.grant, led_by):
+                    room.take(other, at)
+            room.cpu, room.memory_bytes = alloc.cpu, alloc.memory
+            where = place(task, self.worker, room, facts, now=now)
+            if where is not None and where.device is Device.GPU and where.batch is BatchRole.SOLO:
+                return where, leader
+        return None
+
+    def record(self, task: Task, where: Placement, leader: Task | None = None) -> None:
+        """A placement this request made (a follower's with its `leader`, which no other task follows now)."""
+        self.placed.append((task, where, leader))
+        if leader is not None:
+            self.leaders.remove(leader)
+            self.left -= 1
+
+
+def _chain(task: Task, by_id: Mapping[str, Task]) -> set[str]:
+    """The task and every held task it follows, directly or through others."""
+    out = {task.id}
+    after = task.alloc.after if task.alloc is not None else None
+    while after is not None and after in by_id and after not in out:
+        out.add(after)
+        alloc = by_id[after].alloc
+        after = alloc.after if alloc is not None else None
+    return out
+
+
+def _within(grant: GpuGrant | None, leader: Task | None) -> bool:
+    """Whether `grant` holds no more than `leader`'s: the same units, no more memory on each, exclusive only
+    where the leader's is."""
+    held = leader.gpus if leader is not None else None
+    return (grant is not None and held is not None and set(grant.uuids) == set(held.uuids)
+            and grant.memory_bytes <= held.memory_bytes and (held.exclusive or not grant.exclusive))  # fmt: skip
+
+
 def close(room: Room) -> None:
     """Nothing more is placed in `room` (a task waits for it and comes first); a batch's riders still ride."""
     room.cpu = -math.inf

@@ -146,3 +146,14 @@ def logged_sleep(ctx: Context, data: dict[str, Any]) -> dict[str, Any]:
     time.sleep(seconds)
     log_run(data["log"], "end", ctx.task_id)
     return {"n": data.get("n")}
+
+
+@app.capability("logged_share", gpu=0.25, cpu=0.1)
+def logged_share(ctx: Context, data: dict[str, Any]) -> dict[str, Any]:
+    """A quarter of a GPU: logs its run as `logged_sleep` does, and answers the GPUs it was given."""
+    from bench.common import log_run
+
+    log_run(data["log"], "start", ctx.task_id)
+    time.sleep(float(data.get("seconds", 0)))
+    log_run(data["log"], "end", ctx.task_id)
+    return {"gpus": ctx.gpus}

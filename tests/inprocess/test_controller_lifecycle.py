@@ -164,6 +164,7 @@ def test_a_task_past_its_timeout_fails_and_its_gpu_is_released(h: Harness) -> No
 RETRY = {  # error type -> whether a failure with it is re-queued (within max_retries)
     "gpu_oom": True,
     "gpu_scrub_failed": True,
+    "gpu_quarantined": True,  # a task held ahead whose GPU was quarantined before it could start there
     "worker_lost": True,
     "handler_error": False,
     "invalid_output": False,

@@ -123,3 +123,29 @@ def test_by_default_a_worker_holds_waiting_only_tasks_the_controller_saw_end_qui
     assert states(cluster, [slow, behind]) == ["running", "queued"]
     assert {cluster.result(t, wait=60)["state"] for t in [slow, *quick, behind]} == {"succeeded"}
     assert max_overlap(read_runs(log)) == 1  # one slot: never two at once
+
+
+def test_by_default_a_gpu_task_waits_after_a_running_one_and_takes_its_share_never_five_quarters_at_once(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    log = tmp_path / "runs.log"
+    cluster.start_worker(APP, extra=["--cpus", "1", "--gpus", "fake:1x80Gi"])  # four quarters of one GPU
+    body = {"seconds": 0.05, "log": str(log)}
+    learn = [
+        cluster.submit("logged_share", body)["id"] for _ in range(4)
+    ]  # the controller learns it is short
+    assert {cluster.result(t)["state"] for t in learn} == {"succeeded"}
+    batch = {"tasks": [{"capability": "logged_share", "input": body} for _ in range(32)]}
+    ids = [t["id"] for t in cluster.api("POST", "/v1/tasks/batch", json=batch).json()["tasks"]]
+    tasks = [cluster.result(t, wait=60) for t in ids]
+    assert {t["state"] for t in tasks} == {"succeeded"}
+    assert {len(t["output"]["gpus"]) for t in tasks} == {1}
+    runs = read_runs(log)
+    assert max_overlap(runs) == 4  # the GPU's four quarters, never a fifth task on it
+    starts = {t: at for what, t, at in runs if what == "start"}
+    ends = {t: at for what, t, at in runs if what == "end"}
+    audit = cluster.api("GET", "/v1/audit", params={"kind": "gpu_allocated", "limit": 500}).json()["audit"]
+    # held ahead, each after a task on its share: it started once that one ended, never beside it
+    followed = {r["task"]: r["after"] for r in audit if r.get("after")}
+    assert followed, "no task was held waiting on the worker"
+    assert all(starts[task] >= ends[leader] for task, leader in followed.items())

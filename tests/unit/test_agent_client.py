@@ -184,6 +184,13 @@ def test_an_agent_running_three_tasks_at_once_starts_no_more_processes_than_max_
             {"prefetch": 0, "prefetch_s": None},
             {},
         ),  # --prefetch 0
+        # a controller that holds GPU tasks ahead, each after a running one: the worker says it honours `after`
+        (
+            ("complete_lease", "prefetch", "prefetch_s", "prefetch_gpu"),
+            {},
+            {"prefetch": 64, "prefetch_s": 0.1, "prefetch_gpu": True},
+        ),
+        (("complete_lease", "prefetch", "prefetch_gpu"), {"prefetch": 0, "prefetch_s": None}, {}),
     ],
 )
 def test_a_lease_asks_for_prefetch_as_set_and_as_the_controller_understands_it(
@@ -195,7 +202,7 @@ def test_a_lease_asks_for_prefetch_as_set_and_as_the_controller_understands_it(
     polls = [body for path, body in fake.calls if path.endswith("/lease")]
     assert polls
     for body in polls:
-        assert {k: body[k] for k in ("prefetch", "prefetch_s") if k in body} == asked
+        assert {k: body[k] for k in ("prefetch", "prefetch_s", "prefetch_gpu") if k in body} == asked
         assert ("waiting" in body) == bool(asked)
 
 

@@ -80,3 +80,29 @@ def test_a_device_quarantined_for_a_failed_scrub_stays_out_until_its_canary_pass
     assert tracker.canary_due(5.0) == [] and tracker.canary_due(10.0) == ["G0"]
     tracker.record_canary("G0", True, 11.0)
     assert tracker.quarantined() == {}
+
+
+def test_a_task_whose_gpu_was_quarantined_since_its_lease_never_starts_there() -> None:
+    """A task held ahead waits for its share; its GPU may be quarantined meanwhile: it fails `gpu_quarantined`
+    (re-queued for another GPU) before any process or scrub touches that GPU."""
+    from turnout.worker.handover import HandOver, UnfitGpu
+
+    touched: list[object] = []
+
+    async def close_idle(uuids: set[str]) -> None:
+        touched.append(uuids)
+
+    async def record(scrub: dict[str, object]) -> None:
+        touched.append(scrub)
+
+    quarantined = {"GPU-1": "Xid 79: fallen off the bus"}
+    hand_over = HandOver("true", close_idle=close_idle, record=record,
+                         quarantine=lambda uuid, why: None, quarantined=lambda: quarantined)  # fmt: skip
+    with pytest.raises(UnfitGpu) as raised:
+        asyncio.run(hand_over("t1", {"uuids": ["GPU-0", "GPU-1"]}, "acme"))
+    assert raised.value.error["type"] == "gpu_quarantined" and "GPU-1" in raised.value.error["message"]
+    assert "Xid 79" in raised.value.error["message"] and touched == []
+    asyncio.run(
+        hand_over("t2", {"uuids": ["GPU-0"]}, "acme")
+    )  # a healthy GPU: it goes on (scrubbed: new tenant)
+    assert touched

@@ -66,6 +66,53 @@ def test_a_job_granted_then_stopped_before_it_ran_frees_its_room() -> None:
     assert asyncio.run(scenario()) == (0.0, 0)
 
 
+def test_a_follower_takes_its_leaders_room_when_it_ends_before_any_job_waiting_for_room() -> None:
+    async def scenario() -> tuple[list[str], float]:
+        slots, order = Slots(1.0), []
+        await slots.hold(0.5, ahead=False)  # the leader
+        await slots.hold(0.5, ahead=False)  # another: full
+        waiting = asyncio.create_task(_started(slots, 0.5, False, order, "for room"))
+
+        async def follower() -> None:
+            await slots.follow("leader", 0.5)
+            order.append("follower")
+
+        job = asyncio.create_task(follower())
+        await asyncio.sleep(0)
+        assert slots.waiting() == 2
+        slots.release(0.5, ["other-task"])  # the other job ended: the job waiting for room starts
+        await waiting
+        slots.release(0.5, ["leader"])  # the leader ended: its follower, and nobody else, takes its room
+        await job
+        return order, slots.used
+
+    assert asyncio.run(scenario()) == (["for room", "follower"], 1.0)
+
+
+def test_a_follower_whose_leader_never_hands_its_room_on_waits_for_room_and_one_stopped_frees_nothing() -> (
+    None
+):
+    async def scenario() -> tuple[list[str], float, int]:
+        slots, order = Slots(1.0), []
+        await slots.hold(1.0, ahead=False)
+
+        async def follower(leader: str, name: str) -> None:
+            await slots.follow(leader, 1.0)
+            order.append(name)
+
+        kept = asyncio.create_task(follower("chained", "after a chained stage"))
+        stopped = asyncio.create_task(follower("leader", "stopped"))
+        await asyncio.sleep(0)
+        slots.forsake(["chained"])  # its leader's room went to a chained stage: it waits for room instead
+        stopped.cancel()
+        await asyncio.gather(stopped, return_exceptions=True)
+        slots.release(1.0, ["leader"])  # no follower left for it: the room goes to the one waiting
+        await kept
+        return order, slots.used, slots.waiting()
+
+    assert asyncio.run(scenario()) == (["after a chained stage"], 1.0, 0)
+
+
 def test_a_job_bigger_than_the_worker_runs_alone_and_a_stage_takes_over_its_parents_room() -> None:
     async def scenario() -> list[float]:
         slots = Slots(1.0)

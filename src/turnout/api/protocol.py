@@ -2,8 +2,8 @@
 
     POST /v1/workers/register            (worker token) -> 201 {id, heartbeat_s, secret, serves, features}
     POST /v1/workers/{id}/heartbeat      {metrics?, quarantined?} -> {state, heartbeat_s}
-    POST /v1/workers/{id}/lease          {max_tasks, running, wait_s, prefetch?, prefetch_s?, waiting?} long poll
-                                         -> {tasks, cancel, backlog}
+    POST /v1/workers/{id}/lease          {max_tasks, running, wait_s, prefetch?, prefetch_s?, waiting?,
+                                          prefetch_gpu?} long poll -> {tasks, cancel, backlog}
     POST /v1/workers/{id}/complete       {results, lease?} -> {accepted, refused} (and with lease: the next work)
     POST /v1/workers/{id}/events         {events: [{task_id, attempt, event}]} -> {stored}
     POST /v1/workers/{id}/scrubs         GPU scrubs it ran between tenants -> {stored}
@@ -135,7 +135,7 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> WorkerRoutes:
             return functools.partial(ctrl.offer, worker_id, max_tasks=body.max_tasks, running=list(running),
                                      tenant=me.tenant, listed_at=listed_at, watching=list(watching),
                                      prefetch=body.prefetch, prefetch_s=body.prefetch_s,
-                                     waiting=list(waiting))  # fmt: skip
+                                     waiting=list(waiting), prefetch_gpu=body.prefetch_gpu)  # fmt: skip
 
         with service.queue_poll(worker_id, me.tenant) as poll:
             while True:

@@ -242,8 +242,17 @@ class HeartbeatIn(Strict):
 # chained pipeline stages; "lease_if_queued": that lease may ask only for what the results themselves queue;
 # "channel": leases and reports may go over the WebSocket `/v1/workers/{id}/channel` (api/channel.py);
 # "prefetch": a lease may ask for tasks to hold waiting beyond what runs (`prefetch`, `waiting`);
-# "prefetch_s": only tasks known short, within that many seconds of work per core (`--prefetch auto`).
-WORKER_FEATURES = ("complete_lease", "chain", "lease_if_queued", "channel", "prefetch", "prefetch_s")
+# "prefetch_s": only tasks known short, within that many seconds of work per core (`--prefetch auto`);
+# "prefetch_gpu": GPU tasks held waiting too, each leased `after` a running task whose GPU share it takes.
+WORKER_FEATURES = (
+    "complete_lease",
+    "chain",
+    "lease_if_queued",
+    "channel",
+    "prefetch",
+    "prefetch_s",
+    "prefetch_gpu",
+)
 
 
 class LeaseAskIn(Strict):
@@ -255,11 +264,14 @@ class LeaseAskIn(Strict):
     # only tasks known short: at most this many seconds of expected work waiting per core (`--prefetch auto`)
     prefetch_s: float | None = Field(None, gt=0, le=3600)
     waiting: list[TaskId] = Field(default_factory=list)  # of `running`, those not started yet
+    # it starts a lease's `after` task only when that task ends here: GPU tasks may be held waiting too
+    prefetch_gpu: bool = False
 
     def to_ask(self, tenant: str) -> LeaseAsk:
         """The ask of a worker that serves `tenant` (its credential's, never the body's)."""
         return LeaseAsk(self.max_tasks, tuple(self.running), tenant, prefetch=self.prefetch,
-                        prefetch_s=self.prefetch_s, waiting=tuple(self.waiting))  # fmt: skip
+                        prefetch_s=self.prefetch_s, waiting=tuple(self.waiting),
+                        prefetch_gpu=self.prefetch_gpu)  # fmt: skip
 
 
 class CompleteLeaseIn(LeaseAskIn):
@@ -385,7 +397,8 @@ def lease_out(le: Lease) -> dict[str, Any]:
             "input": t.spec.input, "resources": le.resources.to_dict(), "gpus": le.grant.to_dict() if le.grant else None, "timeout_s": t.spec.timeout_s,
             "labels": t.spec.labels, "tenant": t.tenant, "routing": t.routing.to_dict() if t.routing else None, "batch": le.batch,
             "chain": [{"stage": c.stage, "capability": c.capability, "timeout_s": c.timeout_s, "labels": c.labels}
-                      for c in le.chain], **({"ahead": True} if le.ahead else {})}  # fmt: skip
+                      for c in le.chain], **({"ahead": True} if le.ahead else {}),
+            **({"after": le.after} if le.after else {})}  # fmt: skip
 
 
 def leases_out(result: LeaseResult) -> dict[str, Any]:

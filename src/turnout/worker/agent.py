@@ -161,7 +161,8 @@ class Agent:
                                        ca_cert=settings.ca_cert, channel=settings.channel)  # fmt: skip
         self.files = WorkerFiles(self.client.http, storage=settings.storage)
         self.hand_over = HandOver(settings.scrub_command, close_idle=self._close_idle_on,
-                                  record=self._record_scrub, quarantine=self._quarantine)  # fmt: skip
+                                  record=self._record_scrub, quarantine=self._quarantine,
+                                  quarantined=self.watch.quarantined)  # fmt: skip
         self.executor = Executor(self.runnables, self.files, self.hand_over)
         self.running: dict[str, asyncio.Task[None]] = {}
         self._completions: list[dict[str, Any]] = []
@@ -371,6 +372,8 @@ class Agent:
             ask["waiting"] = sorted(self._waiting)
             if prefetch_s is not None:
                 ask["prefetch_s"] = prefetch_s
+            if "prefetch_gpu" in features:
+                ask["prefetch_gpu"] = True  # it starts a lease `after` a task here only once that one ended
         return ask
 
     def _cpus(self) -> float:
@@ -498,8 +501,9 @@ class Agent:
         else:
             kept = self._queue_results(leases, ran, cpu)
         finally:
-            if slots is not None and not kept:
-                slots.release(cpu)  # before the report is sent: a waiting task starts first
+            if slots is not None:  # before the report is sent: a waiting task starts first
+                ids = [lease["id"] for lease in leases]
+                slots.forsake(ids) if kept else slots.release(cpu, ids)
         if not kept:  # a chained stage's result goes with the next stage's (`_hold_over`)
             self._completions_ready.set()
         # the result (and the next lease) go out first; the empty directories can go while they travel
@@ -510,10 +514,15 @@ class Agent:
         """Wait for room for the job here; False: it was stopped while it waited (its books are closed)."""
         ids = [lease["id"] for lease in leases]
         self._waiting.update(ids)
+        leader = leases[0].get("after")  # a GPU task held ahead on the share of a task that runs here
         try:
-            await slots.hold(cpu, ahead=bool(leases[0].get("ahead")))
+            if isinstance(leader, str) and leader in self.running:
+                await slots.follow(leader, cpu, ids)
+            else:  # that one ended before this lease came: its share is free
+                await slots.hold(cpu, ahead=bool(leases[0].get("ahead")))
             return True
         except asyncio.CancelledError:
+            slots.forsake(ids)  # a task that follows one of these waits for room instead
             self._stopped(leases)
             return False
         finally:

@@ -25,7 +25,7 @@ from turnout.worker.app import HandlerVariant, WorkerApplication
 from turnout.worker.containment import Isolation
 from turnout.worker.files import TaskFileError, TaskFiles, WorkerFiles
 from turnout.worker.gpuwatch import SharedTask
-from turnout.worker.handover import ScrubFailed
+from turnout.worker.handover import UnfitGpu
 from turnout.worker.pools import ProcessPool, Runnable
 from turnout.worker.processes import EventSink, Outcome, ProtocolProcess
 from turnout.worker.reports import invalid_output
@@ -254,7 +254,7 @@ class Executor:
                 await self.clean(files)
                 raise
             outcome = Outcome(False, error=error)
-        except (ScrubFailed, TaskFileError) as exc:
+        except (UnfitGpu, TaskFileError) as exc:
             outcome = Outcome(False, error=exc.error)
         except Exception as exc:
             log.exception("task %s could not run", first["id"])
