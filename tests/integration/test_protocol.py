@@ -164,8 +164,15 @@ def task(c: Cluster, task_id: str) -> dict[str, Any]:
 def test_a_completion_carrying_a_lease_answers_its_verdicts_and_the_next_tasks(controller: Cluster) -> None:
     w = stand_in(controller, "ex1")  # room for two tasks of 0.5 cpu
     # named at registration: a worker uses only what is offered
-    assert w.features == ["complete_lease", "chain", "lease_if_queued", "channel", "prefetch", "prefetch_s",
-                          "prefetch_gpu"]
+    assert w.features == [
+        "complete_lease",
+        "chain",
+        "lease_if_queued",
+        "channel",
+        "prefetch",
+        "prefetch_s",
+        "prefetch_gpu",
+    ]
     ids = submit(controller, "ex1", 4)  # one batch: leased in id order, not the order submitted
     (first,) = w.lease(max_tasks=1)["tasks"]
 
