@@ -32,7 +32,7 @@ from turnout.gpu.allocation import (
 )
 from turnout.gpu.devices import GpuDevice, GpuUnit, MigDevice, units_of
 from turnout.gpu.policies import Host, PlacementIndex, Typicals, make_policy, typical_mix
-from turnout.models import Device, GpuMode, Task, Variant, Worker
+from turnout.models import Allocation, Device, GpuMode, Task, Variant, Worker
 from turnout.resources import Resources
 from turnout.routing import ClusterView, Route, WorkerOffer, route
 from turnout.tenancy import LimitsTable
@@ -141,7 +141,7 @@ class Followers:
     held: list[Task]  # every task the worker holds, running or waiting
     leaders: list[Task]  # solo GPU tasks it holds that no task follows yet, oldest lease first
     left: int  # followers it may still hold waiting
-    # placed in this request: (task, placement, the leader it follows or None)
+    # placed in this request for the worker's room (a follower joins `held` instead)
     placed: list[tuple[Task, Placement, Task | None]] = field(default_factory=list)
 
     @classmethod
@@ -159,8 +159,9 @@ class Followers:
         return cls(worker, list(held), leaders, prefetch - following)
 
     def cpu(self) -> float:
-        """The cores the followers this request may still place would take over."""
-        return sum(t.alloc.cpu for t in self.leaders[: max(self.left, 0)] if t.alloc is not None)
+        """The cores the followers this request may still place would take over (each its leader's)."""
+        most = max((t.alloc.cpu for t in self.leaders if t.alloc is not None), default=0.0)
+        return max(self.left, 0) * most
 
     def place(self, task: Task, facts: Facts, *, now: float) -> tuple[Placement, Task] | None:
         """Where `task` goes as a follower here, and the task it follows; None: no leader's room takes it."""
@@ -189,11 +190,19 @@ class Followers:
         return None
 
     def record(self, task: Task, where: Placement, leader: Task | None = None) -> None:
-        """A placement this request made (a follower's with its `leader`, which no other task follows now)."""
-        self.placed.append((task, where, leader))
-        if leader is not None:
-            self.leaders.remove(leader)
-            self.left -= 1
+        """A placement this request made (a follower's with its `leader`, which no other task follows now). A
+        follower is held from now on, and may lead in turn, after every leader before it (one more task per
+        chain before any chain gets two)."""
+        if leader is None:
+            self.placed.append((task, where, None))
+            return
+        self.leaders.remove(leader)
+        self.left -= 1
+        alloc = Allocation(cpu=where.resources.cpu, memory=where.resources.memory_bytes,
+                           gpu_share=where.gpu_share, after=leader.id)  # fmt: skip
+        follower = replace(task, gpus=where.gpus(), alloc=alloc, pipeline_run_id=None)
+        self.held.append(follower)
+        self.leaders.append(follower)
 
 
 def _chain(task: Task, by_id: Mapping[str, Task]) -> set[str]:

@@ -31,26 +31,25 @@ def ids(leases: Sequence[Lease]) -> list[str]:
     return [le.task.id for le in leases]
 
 
-def test_each_gpu_task_held_gets_one_follower_on_its_share_up_to_prefetch_waiting(h: Harness) -> None:
+def test_each_gpu_task_held_gets_one_follower_on_its_share_chains_grow_evenly_up_to_prefetch(
+    h: Harness,
+) -> None:
     w = h.worker(variants=(QUARTER,), gpus=1, cpu=1.0)
     tasks = [h.submit("quarter", gpu=GpuMode.REQUIRE) for _ in range(12)]
     first = lease(h, w, prefetch=6)
     assert ids(first.leases) == tasks[:4] and not any(le.ahead or le.after for le in first.leases)
     second = lease(h, w, running=tasks[:4], prefetch=6)
-    assert ids(second.leases) == tasks[4:8]
-    assert all(le.ahead for le in second.leases)
-    assert sorted(le.after or "" for le in second.leases) == sorted(tasks[:4])  # one each
-    leaders = {le.task.id: le for le in first.leases}
+    # one follower for each of the four that run, then one for the first two of those: six wait
+    assert ids(second.leases) == tasks[4:10] and all(le.ahead for le in second.leases)
+    assert [le.after for le in second.leases] == [*tasks[:4], *tasks[4:6]]
+    leaders = {le.task.id: le for le in [*first.leases, *second.leases]}
     for le in second.leases:
         assert le.grant is not None and le.after is not None
         assert le.grant.uuids == leaders[le.after].grant.uuids  # type: ignore[union-attr]
         assert h.task(le.task.id).alloc.after == le.after  # type: ignore[union-attr]
-    # a follower may be followed in turn, until `prefetch` wait there; then the worker hears it is full
-    third = lease(h, w, running=tasks[:8], waiting=tasks[4:8], prefetch=6)
-    assert ids(third.leases) == tasks[8:10]
-    assert sorted(le.after or "" for le in third.leases) == sorted(tasks[4:6])
-    fourth = lease(h, w, running=tasks[:10], waiting=tasks[4:10], prefetch=6)
-    assert (fourth.leases, fourth.full) == ([], True)
+    # `prefetch` wait there: nothing more, and the worker hears it is full
+    third = lease(h, w, running=tasks[:10], waiting=tasks[4:10], prefetch=6)
+    assert (third.leases, third.full) == ([], True)
     assert [h.state(t) for t in tasks[10:]] == [TaskState.QUEUED] * 2
 
 
@@ -65,13 +64,14 @@ def test_a_follower_takes_its_leaders_share_when_it_ends_and_may_be_followed_in_
     w = h.worker(variants=(QUARTER,), gpus=1, cpu=1.0)
     tasks = [h.submit("quarter", gpu=GpuMode.REQUIRE) for _ in range(9)]
     lease(h, w)
-    followers = {le.after: le.task.id for le in lease(h, w, running=tasks[:4]).leases}
+    followers = {le.after: le.task.id for le in lease(h, w, running=tasks[:4], prefetch=4).leases}
+    assert sorted(followers) == sorted(tasks[:4])
     # the first ended; its follower started on its share; the next lease sees three leaders with followers,
     # and the started follower with none: one more task, after it, and no task for the freed share at once
     h.ctrl.complete(w, [Completion(tasks[0], 1, True, {"ok": True}, run_s=0.001)])
     started = followers[tasks[0]]
     waiting = [t for t in tasks[4:8] if t != started]
-    got = lease(h, w, running=[*tasks[1:4], *tasks[4:8]], waiting=waiting)
+    got = lease(h, w, running=[*tasks[1:4], *tasks[4:8]], waiting=waiting, prefetch=4)
     assert [(le.task.id, le.after) for le in got.leases] == [(tasks[8], started)]
 
 
