@@ -8,6 +8,7 @@ controllers (PostgreSQL) the store's conditional updates keep them honest.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
 import time
@@ -56,6 +57,7 @@ log = logging.getLogger("turnout.controller")
 
 ACTIVE = tuple(ACTIVE_STATES)
 LIVE_WORKER_STATES = (WorkerState.HEALTHY, WorkerState.DRAINING)
+ENDED_KEPT = 20_000  # tasks whose ending result this controller remembers (`Controller._to_stop`)
 RETRYABLE_ERRORS = frozenset({"gpu_oom", "worker_lost", "gpu_scrub_failed", "gpu_quarantined"})
 # a retry goes to another GPU, not this one
 AVOID_GPU_ERRORS = frozenset({"gpu_oom", "gpu_scrub_failed", "gpu_quarantined"})
@@ -164,6 +166,7 @@ class Controller:
         self.runs = PipelineRuns(self)  # pipeline runs: advanced in the same call that ends a stage
         self._samples = profiles.PendingSamples()  # finished tasks' run times, written about once a second
         self._run_times = profiles.RecentRunTimes()  # what `--prefetch auto` weighs (`lease`)
+        self._ended_by: dict[str, str] = {}  # task id -> the worker whose own result ended it (`_to_stop`)
 
     # ---- tasks -------------------------------------------------------------------------------
 
@@ -679,15 +682,21 @@ class Controller:
 
         A task it finished itself (its own result is in) is not among them: the worker is merely behind.
         """
-        out = []
-        for t in self.store.get_tasks(stale):
-            error_type = (t.error or {}).get("type")
-            stopped_here = t.state in (TaskState.CANCELLED, TaskState.QUEUED) or (
-                t.state is TaskState.FAILED and error_type in ("timeout", "worker_lost", "no_capacity")
-            )
-            if t.worker_id != worker_id or stopped_here or t.state in ACTIVE_STATES:
-                out.append(t.id)
-        return out
+        unknown = [
+            tid for tid in stale if self._ended_by.get(tid) != worker_id
+        ]  # most ended by their results here
+        return [t.id for t in self.store.get_tasks(unknown) if not _ended_by_its_result(t, worker_id)]
+
+    def _remember_ended(self, worker_id: str, ended: Sequence[Task]) -> None:
+        """Keep which worker's own result ended these tasks, for `_to_stop` (a terminal task never changes):
+        a worker lists a task it finished until its report's answer comes, and under load most leases name
+        some, which are then not read again. The oldest go first; another replica's results are read."""
+        for t in ended:
+            if _ended_by_its_result(t, worker_id):
+                self._ended_by[t.id] = worker_id
+        while len(self._ended_by) > ENDED_KEPT:
+            with contextlib.suppress(KeyError, RuntimeError, StopIteration):
+                del self._ended_by[next(iter(self._ended_by))]
 
     # ---- results -----------------------------------------------------------------------------
 
@@ -789,6 +798,7 @@ class Controller:
             if len(chains.accepted) == chained_before:
                 break  # what is left names tasks that do not exist (or not here): refused
         self._learn(ended, {c.task_id: c for c in completions}, self.clock())
+        self._remember_ended(worker_id, ended)
         finished = set(accepted)
         refused = [c.task_id for c in completions if c.task_id not in finished]
         runs = frozenset(t.pipeline_run_id for t in ended if t.pipeline_run_id)
@@ -1200,6 +1210,16 @@ class Controller:
 
 def _audit_tenant(tenant: str) -> str | None:
     return None if tenant == ALL_TENANTS else tenant
+
+
+def _ended_by_its_result(task: Task, worker_id: str) -> bool:
+    """Whether `task` ended on `worker_id` by its own result (the worker is merely behind if it still lists
+    it), not stopped from here (cancelled, queued again, timed out, lost, unplaceable) nor still active."""
+    error_type = (task.error or {}).get("type")
+    stopped_here = task.state in (TaskState.CANCELLED, TaskState.QUEUED) or (
+        task.state is TaskState.FAILED and error_type in ("timeout", "worker_lost", "no_capacity")
+    )
+    return task.worker_id == worker_id and not stopped_here and task.state not in ACTIVE_STATES
 
 
 def _already_committed(task: Task, worker_id: str, c: Completion) -> bool:

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from turnout import profiles
 from turnout.access import ALL_TENANTS, worker_serves
 from turnout.batching import BatchBook, OpenBatch, leads_batch
-from turnout.errors import InvalidInput
+from turnout.errors import Conflict, InvalidInput
 from turnout.gpu.allocation import (
     GpuGrant,
     GpuRequest,
@@ -28,6 +28,7 @@ from turnout.gpu.allocation import (
     allocate,
     fits_ever,
     gpu_units_of,
+    remove_grant,
     usage_from_grants,
 )
 from turnout.gpu.devices import GpuDevice, GpuUnit, MigDevice, units_of
@@ -85,7 +86,8 @@ def room_of(worker: Worker, active: Sequence[Task]) -> Room:
 def ahead_room(worker: Worker, active: Sequence[Task], prefetch: int) -> Room | None:
     """What a worker with `prefetch` may still take to hold waiting for a free slot: its room counting every
     task it holds (running or waiting), widened by `prefetch` slots of its smallest variant; None: no
-    prefetch, or a worker with no CPU variant (only a CPU task may wait: `may_wait`)."""
+    prefetch, or a worker with no CPU variant (only a CPU task may wait for any slot, `may_wait`; a GPU task waits
+    only after a running one, `Followers`)."""
     if prefetch <= 0 or not any(v.device is Device.CPU for v in worker.variants):
         return None
     room = room_of(worker, active)
@@ -138,17 +140,20 @@ class Followers:
     """
 
     worker: Worker
-    held: list[Task]  # every task the worker holds, running or waiting
+    by_id: dict[str, Task]  # every task the worker holds, running or waiting, and each follower placed now
+    within: set[str]  # of those, the followers within their leaders' grants: counted through their leaders
+    room: Room  # the worker's GPUs less every grant counted (and every grant placed now for its room)
     leaders: list[Task]  # solo GPU tasks it holds that no task follows yet, oldest lease first
     left: int  # followers it may still hold waiting
-    # placed in this request for the worker's room (a follower joins `held` instead)
-    placed: list[tuple[Task, Placement, Task | None]] = field(default_factory=list)
 
     @classmethod
     def of(cls, worker: Worker, held: Sequence[Task], listed: Iterable[str], waiting: Iterable[str],
            prefetch: int) -> Followers:  # fmt: skip
         """Of the tasks `worker` holds, those it listed (running, or a follower waiting) may lead; `prefetch`
         followers may wait there at most."""
+        by_id = {t.id: t for t in held}
+        within = {t.id for t in held if t.alloc is not None and t.alloc.after
+                  and _within(t.gpus, by_id.get(t.alloc.after))}  # fmt: skip
         followed = {t.alloc.after for t in held if t.alloc is not None and t.alloc.after}
         known, waits = set(listed), set(waiting)
         leaders = [t for t in held if t.id in known and t.id not in followed and t.gpus is not None
@@ -156,7 +161,8 @@ class Followers:
                    and (t.id not in waits or t.alloc.after)]  # fmt: skip
         leaders.sort(key=lambda t: t.leased_at or 0.0)
         following = sum(1 for t in held if t.id in waits and t.alloc is not None and t.alloc.after)
-        return cls(worker, list(held), leaders, prefetch - following)
+        room = room_of(worker, [t for t in held if t.id not in within])
+        return cls(worker, by_id, within, room, leaders, prefetch - following)
 
     def cpu(self) -> float:
         """The cores the followers this request may still place would take over (each its leader's)."""
@@ -167,9 +173,6 @@ class Followers:
         """Where `task` goes as a follower here, and the task it follows; None: no leader's room takes it."""
         if self.left <= 0:
             return None
-        by_id = {t.id: t for t in self.held}
-        within = {t.id for t in self.held if t.alloc is not None and t.alloc.after
-                  and _within(t.gpus, by_id.get(t.alloc.after))}  # fmt: skip
         tried: set[tuple[Any, ...]] = set()
         for leader in self.leaders:
             alloc, grant = leader.alloc, leader.gpus
@@ -178,30 +181,43 @@ class Followers:
             if leader.tenant != task.tenant or shape in tried:
                 continue
             tried.add(shape)
-            ended = _chain(leader, by_id)  # once the leader ends, every task it followed has ended too
-            room = room_of(self.worker, [t for t in self.held if t.id not in ended and t.id not in within])
-            for other, at, led_by in self.placed:
-                if led_by is None or not _within(at.grant, led_by):
-                    room.take(other, at)
-            room.cpu, room.memory_bytes = alloc.cpu, alloc.memory
-            where = place(task, self.worker, room, facts, now=now)
+            room = self._room_after(leader)
+            where = place(task, self.worker, room, facts, now=now) if room is not None else None
             if where is not None and where.device is Device.GPU and where.batch is BatchRole.SOLO:
                 return where, leader
         return None
+
+    def _room_after(self, leader: Task) -> Room | None:
+        """The room once `leader` has ended, and with it every task it followed: its CPU and memory, and the
+        GPUs less every grant counted but theirs (None: the books disagree; that leader is not followed)."""
+        usage = self.room.usage
+        try:
+            for task_id in _chain(leader, self.by_id):
+                ended = self.by_id[task_id]
+                if task_id not in self.within and ended.gpus is not None:
+                    usage = remove_grant(usage, ended.gpus, workload(ended))
+        except Conflict:
+            return None
+        assert leader.alloc is not None
+        return Room(leader.alloc.cpu, leader.alloc.memory, self.room.units, usage, self.room.strategy)
 
     def record(self, task: Task, where: Placement, leader: Task | None = None) -> None:
         """A placement this request made (a follower's with its `leader`, which no other task follows now). A
         follower is held from now on, and may lead in turn, after every leader before it (one more task per
         chain before any chain gets two)."""
         if leader is None:
-            self.placed.append((task, where, None))
+            self.room.take(task, where)
             return
         self.leaders.remove(leader)
         self.left -= 1
         alloc = Allocation(cpu=where.resources.cpu, memory=where.resources.memory_bytes,
                            gpu_share=where.gpu_share, after=leader.id)  # fmt: skip
         follower = replace(task, gpus=where.gpus(), alloc=alloc, pipeline_run_id=None)
-        self.held.append(follower)
+        self.by_id[follower.id] = follower
+        if _within(follower.gpus, leader):
+            self.within.add(follower.id)
+        else:
+            self.room.take(follower, where)
         self.leaders.append(follower)
 
 

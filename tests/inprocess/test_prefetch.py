@@ -14,7 +14,7 @@ from tests.inprocess.conftest import Api
 from tests.inprocess.harness import HEARTBEAT_S, SHOUT_CPU, SHOUT_GPU, Harness
 from turnout.config import ControllerSettings
 from turnout.controller import LeaseAsk, LeaseResult
-from turnout.models import Completion, Device, GpuMode, Lease, TaskState, Variant
+from turnout.models import Completion, Device, GpuMode, Lease, Task, TaskState, Variant
 from turnout.resources import parse_resources
 from turnout.tenancy import RECENT_S, parse_limits
 
@@ -380,3 +380,23 @@ def test_a_worker_never_holds_more_than_its_cores_and_prefetch_nor_starts_more_t
         assert all(not le.ahead for le in held.values()) or prefetch > 0
         start_what_fits()
         assert all(t in started for t, le in held.items() if not le.ahead)  # leased for its room: it fits now
+
+
+def test_a_task_listed_after_its_own_result_ended_it_is_not_stopped_nor_read_again(h: Harness) -> None:
+    """Under load a worker lists tasks whose results are on their way: those ended by their own result here
+    need no read to know it; one cancelled meanwhile is still stopped."""
+    w = h.worker(cpu=2.0)
+    done, cancelled = h.submit(gpu=GpuMode.NEVER), h.submit(gpu=GpuMode.NEVER)
+    lease(h, w, prefetch=0)
+    h.ctrl.complete(w, [Completion(done, 1, True, {"ok": True}, run_s=0.01)])
+    h.ctrl.cancel(None, cancelled)
+    read: list[str] = []
+    get_tasks = h.ctrl.store.get_tasks
+
+    def counted(ids: Sequence[str]) -> list[Task]:
+        read.extend(ids)
+        return get_tasks(ids)
+
+    h.ctrl.store.get_tasks = counted  # type: ignore[method-assign]
+    got = lease(h, w, running=[done, cancelled], prefetch=0)
+    assert got.cancel == [cancelled] and read == [cancelled]
