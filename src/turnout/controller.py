@@ -543,7 +543,8 @@ class Controller:
                                                             found[0].resources.cpu):  # fmt: skip
                     followers, ahead = None, None  # not known short enough to wait: nothing more waits
                 else:
-                    (where, leader), after[task.id] = found, found[1].id
+                    where, leader = found
+                    after[task.id] = leader.id
                     ahead_of.add(task.id)
                     placement.close(room)  # it waits for its leader: no task after it may take room first
             if where is None and ahead is not None and placement.has_room(ahead, smallest):
@@ -682,9 +683,8 @@ class Controller:
 
         A task it finished itself (its own result is in) is not among them: the worker is merely behind.
         """
-        unknown = [
-            tid for tid in stale if self._ended_by.get(tid) != worker_id
-        ]  # most ended by their results here
+        # most ended here by their own results, which this controller remembers: only the others are read
+        unknown = [tid for tid in stale if self._ended_by.get(tid) != worker_id]
         return [t.id for t in self.store.get_tasks(unknown) if not _ended_by_its_result(t, worker_id)]
 
     def _remember_ended(self, worker_id: str, ended: Sequence[Task]) -> None:

@@ -132,9 +132,9 @@ class Followers:
 
     A leader and its follower never run at once, so where the follower's grant is within its leader's (the
     same units, no more memory) the pair holds the leader's share only; any other follower's grant counts as
-    held beside it. A new follower's GPUs are placed in the worker's GPUs less all that, but its leader's
-    grant: its leader's share, or any share free now. Whatever starts there later was placed with it counted,
-    and the leader has ended by then, so no share is held twice. A leader is a solo task, never a batch's or
+    held beside it. A new follower's GPUs are placed in the worker's GPUs less all that, but the grants of its
+    leader and of the tasks its leader follows (all ended before it starts): its leader's share, or any share
+    free now. Whatever starts there later was placed with it counted, so no share is ever held twice. A leader is a solo task, never a batch's or
     a pipeline stage's (a chained stage takes its room over), of the follower's tenant (no scrub between
     them), with no follower yet: one task waits per task it holds, at most.
     """

@@ -503,7 +503,10 @@ class Agent:
         finally:
             if slots is not None:  # before the report is sent: a waiting task starts first
                 ids = [lease["id"] for lease in leases]
-                slots.forsake(ids) if kept else slots.release(cpu, ids)
+                if kept:  # a chained stage took its room: a task that follows it waits for room instead
+                    slots.forsake(ids)
+                else:
+                    slots.release(cpu, ids)
         if not kept:  # a chained stage's result goes with the next stage's (`_hold_over`)
             self._completions_ready.set()
         # the result (and the next lease) go out first; the empty directories can go while they travel

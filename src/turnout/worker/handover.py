@@ -73,7 +73,7 @@ class HandOver:
                     if not result.ok:
                         self.quarantine(uuid, f"GPU scrub failed: {result.message}")
                         raise UnfitGpu({"type": "gpu_scrub_failed",
-                                           "message": f"GPU {uuid} could not be scrubbed before this task "
-                                                      f"({result.message}); it is quarantined, and the task "
-                                                      "goes to another GPU"})  # fmt: skip
+                                        "message": f"GPU {uuid} could not be scrubbed before this task "
+                                                   f"({result.message}); it is quarantined, and the task "
+                                                   "goes to another GPU"})  # fmt: skip
                 self.ledger.hand_over([uuid], tenant)
