@@ -3,7 +3,8 @@
 What one no-op task costs the controller (its submission, its lease, its result, each a commit of its own, as
 the API runs them: `store.group()`), next to a 3-stage no-op pipeline run whose stages chain on the worker that
 ran the first (the run's start, the first stage's lease with its chain hints, and one report carrying the three
-results). CPU time of this process (`time.process_time`), so a busy host or a slow disk moves it less than wall
+results). And what a lease costs a worker that holds 64 tasks (as `--prefetch auto` may), by the size of their
+inputs (none, 10 kB, 100 kB each), with nothing queued: the room is made of what the worker holds. CPU time of this process (`time.process_time`), so a busy host or a slow disk moves it less than wall
 time; p50 over the calls after a warm-up fifth. Equal work: the same store, the same worker, alternated.
 
     python -m bench --only controller [--quick]
@@ -80,8 +81,35 @@ def _measure(store: Store, settings: ControllerSettings, n: int) -> dict[str, An
     p50 = {step: round(statistics.median(values[skip:]) * 1000, 3) for step, values in cpu.items()}
     single = sum(p50[s] for s in STEPS[:3])
     pipeline = sum(p50[s] for s in STEPS[3:])
+    held = {
+        f"{size // 1000}kB" if size else "none": _held_lease_ms(ctrl, noop, size, n // 4)
+        for size in HELD_INPUTS
+    }
     return {"tasks": n, "runs": n, "cpu_p50_ms": p50, "single_task_ms": round(single, 3),
-            "pipeline_run_ms": round(pipeline, 3), "run_over_task": round(pipeline / single, 2)}  # fmt: skip
+            "pipeline_run_ms": round(pipeline, 3), "run_over_task": round(pipeline / single, 2),
+            "lease_64_held_p50_ms": held}  # fmt: skip
+
+
+HELD_INPUTS = (0, 10_000, 100_000)  # bytes of input per task held
+
+
+def _held_lease_ms(ctrl: Controller, variant: Variant, input_bytes: int, n: int) -> float:
+    """CPU p50 of a lease of a worker holding 64 tasks (two running, the rest waiting), nothing queued."""
+    worker = ctrl.register_worker(name=f"held-{input_bytes}", host="h", variants=[variant], cpu=0.2,
+                                  memory_bytes=8 * 2**30, gpus=[], strategy="pack").id  # fmt: skip
+    data = {"text": "x" * input_bytes} if input_bytes else None
+    with ctrl.store.group():
+        ctrl.submit("default", [TaskSpec("noop", data) for _ in range(64)])
+    with ctrl.store.group():
+        held = [le.task.id for le in ctrl.offer(worker, max_tasks=64, prefetch=62).leases]
+    assert len(held) == 64, len(held)
+    samples = []
+    for _ in range(n):
+        started = time.process_time()
+        with ctrl.store.group():
+            ctrl.offer(worker, max_tasks=64, running=held, waiting=held[2:], prefetch=62)
+        samples.append(time.process_time() - started)
+    return round(statistics.median(samples[n // 5 :]) * 1000, 3)
 
 
 def summary(result: dict[str, Any]) -> str:
@@ -90,5 +118,6 @@ def summary(result: dict[str, Any]) -> str:
         f"  controller CPU p50, in-process on SQLite: a no-op task {result['single_task_ms']} ms (submit "
         f"{p['single.submit']}, lease {p['single.lease']}, result {p['single.result']}); a 3-stage chained run "
         f"{result['pipeline_run_ms']} ms (start {p['run.start']}, lease {p['run.lease']}, one report of three "
-        f"results {p['run.results']}): {result['run_over_task']}x"
+        f"results {p['run.results']}): {result['run_over_task']}x\n"
+        f"  a lease of a worker holding 64 tasks, by their inputs' size: {result['lease_64_held_p50_ms']} ms"
     )

@@ -458,7 +458,7 @@ class Controller:
             raise NotFound(f"worker {worker_id} has left; register again", field="worker")
         if worker.state is WorkerState.HEALTHY and max_tasks > 0:
             hold_worker(self.store, worker_id)  # before its tasks are read: they are what the room is made of
-        active = self.store.active_tasks([worker_id])
+        active = self.store.active_tasks([worker_id], inputs=False)  # its room needs none of their inputs
         mine = {t.id: t for t in active if t.worker_id == worker_id}
         held = set(running)
         grace_s = max(UNDELIVERED_AFTER_S, worker.heartbeat_s)
@@ -1113,7 +1113,8 @@ class Controller:
         if batches:
             ended = {t.id for t in tasks}
             workers = sorted({t.worker_id for t, _ in batches.values() if t.worker_id})
-            riding = {placement.batch_of(t) for t in self.store.active_tasks(workers) if t.id not in ended}
+            on = self.store.active_tasks(workers, inputs=False)
+            riding = {placement.batch_of(t) for t in on if t.id not in ended}
             for batch, (t, grant) in batches.items():
                 if batch not in riding:  # nothing of the batch runs on: its grant is free
                     rode = t.alloc.batch_attempt if t.alloc else None
@@ -1325,6 +1326,6 @@ class _LeaseReads:
     def gpu_fleet(self) -> placement.Fleet:
         gpu_workers = [w for w in self.healthy if placement.gpu_worker(w)]
         active: dict[str, list[Task]] = {}
-        for t in self.ctrl.store.active_tasks([w.id for w in gpu_workers]):
+        for t in self.ctrl.store.active_tasks([w.id for w in gpu_workers], inputs=False):
             active.setdefault(t.worker_id or "", []).append(t)
         return placement.Fleet(self.ctrl.settings.placement_policy, gpu_workers, active)

@@ -389,7 +389,7 @@ class PipelineRuns:
             fits = True
         else:
             if worker.id not in active:
-                active[worker.id] = self.ctrl.store.active_tasks([worker.id])
+                active[worker.id] = self.ctrl.store.active_tasks([worker.id], inputs=False)
             fits = placement.fits(placement.room_of(worker, active[worker.id]), cpu_res)
         decided = self._route(task, fits, self._healthy())
         if decided is None:

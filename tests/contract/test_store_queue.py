@@ -236,6 +236,10 @@ def test_every_read_of_a_task_gives_the_same_record(store: Store) -> None:
     assert by_id == task
     assert store.get_tasks([task.id, "t_missing"]) == [task]
     assert store.active_tasks(["w_1", "w_other"]) == [task] and store.active_tasks([]) == []
+    # without their inputs (a lease's read of what its worker holds): the same record but for the input
+    bare = replace(task, spec=replace(task.spec, input=None))
+    assert store.active_tasks(["w_1"], inputs=False) == [bare] and store.active_tasks(inputs=False) == [bare]
+    assert store.get_task(task.id) == task  # the input is only left unread
     assert store.list_tasks(tenant=None) == [task]
 
 

@@ -340,10 +340,10 @@ class MemoryStore:
                 self._set(self._tasks, TASKS, task_id, failed)
             return due
 
-    def active_tasks(self, worker_ids: Iterable[str] | None = None) -> list[Task]:
+    def active_tasks(self, worker_ids: Iterable[str] | None = None, *, inputs: bool = True) -> list[Task]:
         only = None if worker_ids is None else set(worker_ids)
         with self._lock:
-            return [self._task(r) for r in self._tasks.values()
+            return [self._task(r if inputs else {**r, "input": None}) for r in self._tasks.values()
                     if r["state"] in _ACTIVE and (only is None or r["worker_id"] in only)]  # fmt: skip
 
     def queue_depths(self, tenant: str | None = None) -> dict[str, dict[str, int]]:

@@ -439,15 +439,17 @@ class SqlStore:
                              .values(state=TaskState.FAILED.value, error=error, finished_at=now))  # fmt: skip
         return failed
 
-    def active_tasks(self, worker_ids: Iterable[str] | None = None) -> list[Task]:
+    def active_tasks(self, worker_ids: Iterable[str] | None = None, *, inputs: bool = True) -> list[Task]:
         with self._read() as conn:
             if worker_ids is None:
-                return [_task(r) for r in conn.execute(_ACTIVE_ALL)]
+                return [_task(r) for r in conn.execute(_ACTIVE_ALL if inputs else _ACTIVE_ALL_BARE)]
             workers = list(worker_ids)
             if self.dialect == "sqlite":
                 where = f"state IN ('{_ACTIVE[0]}', '{_ACTIVE[1]}') AND worker_id IN ({_marks(len(workers))})"
-                return _sqlite_tasks(conn, TASKS.select(where), workers) if workers else []
-            return [_task(r) for r in conn.execute(_ACTIVE_OF, {"workers": workers})]
+                sql = TASKS.select(where) if inputs else TASKS.select(where, blank="input")
+                return _sqlite_tasks(conn, sql, workers) if workers else []
+            query = _ACTIVE_OF if inputs else _ACTIVE_OF_BARE
+            return [_task(r) for r in conn.execute(query, {"workers": workers})]
 
     def queue_depths(self, tenant: str | None = None) -> dict[str, dict[str, int]]:
         """capability -> state -> count, over the non-terminal states (of one tenant, or of all)."""
@@ -717,6 +719,11 @@ _GET_TASKS = sa.select(T).where(T.c.id.in_(sa.bindparam("ids", expanding=True)))
 _ACTIVE = (TaskState.LEASED.value, TaskState.RUNNING.value)
 _ACTIVE_ALL = sa.select(T).where(T.c.state.in_(_ACTIVE))
 _ACTIVE_OF = _ACTIVE_ALL.where(T.c.worker_id.in_(sa.bindparam("workers", expanding=True)))
+# the same without the inputs (NULL in their place): what a lease weighs needs none of them
+_ACTIVE_ALL_BARE = sa.select(*(sa.null().label("input") if c.name == "input" else c for c in T.c)).where(
+    T.c.state.in_(_ACTIVE)
+)
+_ACTIVE_OF_BARE = _ACTIVE_ALL_BARE.where(T.c.worker_id.in_(sa.bindparam("workers", expanding=True)))
 # a task's resource overrides as stored: tasks with equal text share a kind (`QueuedKind`); PostgreSQL's json
 # keeps the text as written, and has no equality of its own
 _RESOURCES_TEXT = sa.cast(T.c.resources, sa.Text)
@@ -785,11 +792,14 @@ class RawTable:
         )
         self._selects: dict[str, str] = {}
 
-    def select(self, where: str) -> str:
-        """SELECT every column WHERE `where` (our own text, a few shapes per table: each built once)."""
-        sql = self._selects.get(where)
+    def select(self, where: str, *, blank: str | None = None) -> str:
+        """SELECT every column WHERE `where` (our own text, a few shapes per table: each built once); `blank`:
+        a column read as NULL, not from the table (one whose value the reader does not need)."""
+        key = f"{blank}|{where}"
+        sql = self._selects.get(key)
         if sql is None:
-            sql = self._selects[where] = f"SELECT {', '.join(self.columns)} FROM {self.name} WHERE {where}"
+            names = ", ".join("NULL" if c == blank else c for c in self.columns)
+            sql = self._selects[key] = f"SELECT {names} FROM {self.name} WHERE {where}"
         return sql
 
     def by_ids(self, n: int) -> str:
