@@ -350,7 +350,7 @@ class Controller:
         if self.store.update_worker(worker_id, state=WorkerState.GONE.value):
             self.audit("worker_left", self.worker_tenant(worker_id), {"worker": worker_id})
         self._fleet_cache = None
-        self._requeue_lost(self.store.active_tasks([worker_id]), "worker left")
+        self._requeue_lost(self.store.active_tasks([worker_id], inputs=False), "worker left")
 
     def worker_tenant(self, worker_id: str) -> str | None:
         """The tenant a worker serves, for its audit records; None for a shared pool (the operator's)."""
@@ -372,7 +372,8 @@ class Controller:
                                                                   "reason": "connection closed"})  # fmt: skip
         log.warning("worker %s closed its connection and did not come back: unhealthy", worker.name,
                     extra={"worker_id": worker_id})  # fmt: skip
-        taken = self._requeue_lost(self.store.active_tasks([worker_id]), "worker connection closed")
+        held = self.store.active_tasks([worker_id], inputs=False)
+        taken = self._requeue_lost(held, "worker connection closed")
         self.lease_expiries += len(taken)
         return True
 
@@ -987,7 +988,7 @@ class Controller:
         lost: list[Task] = []
         overdue: list[Change] = []
         overdue_tasks: list[Task] = []
-        for t in self.store.active_tasks():
+        for t in self.store.active_tasks(inputs=False):  # twice a second: their inputs are not read
             if (t.worker_id or "").startswith("cloud:"):
                 continue  # held by an escalation endpoint: escalation.py watches it
             holder = by_id.get(t.worker_id or "")

@@ -156,7 +156,9 @@ def test_tasks_held_ahead_by_a_lost_worker_go_back_to_the_queue_not_charged_a_re
     assert [h.state(t) for t in tasks[1:]] == [TaskState.QUEUED] * 2
     assert [h.task(t).routing.undelivered for t in tasks[1:]] == [1, 1]  # type: ignore[union-attr]
     other = h.worker("other", cpu=4.0)
-    assert ids(lease(h, other, prefetch=0).leases) == tasks[1:]  # another worker takes them
+    again = lease(h, other, prefetch=0).leases
+    assert ids(again) == tasks[1:]  # another worker takes them, inputs and all (the sweep read none of them)
+    assert [le.task.spec.input for le in again] == [{"text": "hi"}] * 2
 
 
 def test_a_shared_worker_whose_room_is_kept_for_tenants_takes_nothing_ahead() -> None:
