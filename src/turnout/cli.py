@@ -227,9 +227,9 @@ def worker(
     cpus: float | None = typer.Option(None, help="Cores to offer (default: all)."),
     prefetch: str = typer.Option(
         "auto",
-        help="Tasks to hold waiting beyond what runs, so a slot that ends starts the next at once: auto (up to "
-        "64 tasks the controller has seen end quickly, 0.1 s of their work per core at most), N (any N CPU "
-        "tasks), 0 (none).",
+        help="Tasks to hold waiting beyond what runs, so a slot that ends starts the next at once (a GPU task "
+        "waits after a running one, on its share): auto (up to 64 tasks the controller has seen end quickly, "
+        "0.1 s of their work per core at most), N (any N tasks), 0 (none).",
     ),
     heartbeat_s: float = typer.Option(5.0, help="Heartbeat period."),
     canary: str | None = typer.Option(
