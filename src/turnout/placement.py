@@ -156,9 +156,8 @@ class Followers:
                   and _within(t.gpus, by_id.get(t.alloc.after))}  # fmt: skip
         followed = {t.alloc.after for t in held if t.alloc is not None and t.alloc.after}
         known, waits = set(listed), set(waiting)
-        leaders = [t for t in held if t.id in known and t.id not in followed and t.gpus is not None
-                   and t.alloc is not None and t.alloc.batch is None and t.pipeline_run_id is None
-                   and (t.id not in waits or t.alloc.after)]  # fmt: skip
+        leaders = [t for t in held if t.id in known and t.id not in followed and _may_lead(t)
+                   and (t.id not in waits or (t.alloc is not None and t.alloc.after))]  # fmt: skip
         leaders.sort(key=lambda t: t.leased_at or 0.0)
         following = sum(1 for t in held if t.id in waits and t.alloc is not None and t.alloc.after)
         room = room_of(worker, [t for t in held if t.id not in within])
@@ -212,13 +211,24 @@ class Followers:
         self.left -= 1
         alloc = Allocation(cpu=where.resources.cpu, memory=where.resources.memory_bytes,
                            gpu_share=where.gpu_share, after=leader.id)  # fmt: skip
-        follower = replace(task, gpus=where.gpus(), alloc=alloc, pipeline_run_id=None)
+        follower = replace(task, gpus=where.gpus(), alloc=alloc)
         self.by_id[follower.id] = follower
         if _within(follower.gpus, leader):
             self.within.add(follower.id)
         else:
             self.room.take(follower, where)
-        self.leaders.append(follower)
+        if _may_lead(follower):
+            self.leaders.append(follower)
+
+
+def _may_lead(task: Task) -> bool:
+    """A solo GPU task, not a pipeline stage (a chained stage takes its room over when it ends)."""
+    return (
+        task.gpus is not None
+        and task.alloc is not None
+        and task.alloc.batch is None
+        and not task.pipeline_run_id
+    )
 
 
 def _chain(task: Task, by_id: Mapping[str, Task]) -> set[str]:

@@ -176,12 +176,10 @@ def test_whatever_the_order_of_submits_leases_and_ends_no_gpu_is_held_past_its_m
                     del waiting[follower]
                     running.append(follower)
         held: dict[str, int] = {}
-        tenants: dict[str, set[str]] = {}
         for tid in running:
             t = h.task(tid)
             assert t.gpus is not None
             for uuid in t.gpus.uuids:
                 held[uuid] = held.get(uuid, 0) + t.gpus.memory_bytes
-                tenants.setdefault(uuid, set()).add(t.tenant)
         for uuid, used in held.items():
             assert used <= 80 * 2**30, (uuid, used)
