@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from turnout import __version__
 from turnout.api import (
@@ -37,7 +38,27 @@ from turnout.api.strictjson import StrictJsonRoute
 from turnout.escalation import Escalator
 
 
-def create_app(service: Service) -> FastAPI:
+class Api(FastAPI):
+    """FastAPI with the door in front of its own middleware: every HTTP request meets the rate gate, the body
+    limit and the fast path (in that order) before FastAPI's and Starlette's layers (error pages, telemetry,
+    their body limit), so a plain report, lease, submission or result wait skips those layers, which it does
+    not need (the fast path renders its own errors as the app's handlers do). Everything else goes on through
+    the whole application, as before; the WebSocket channel and the lifespan go straight to it."""
+
+    front: ASGIApp | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.front is not None and scope["type"] == "http":
+            await self.front(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
+
+    async def whole(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The application behind the door."""
+        await super().__call__(scope, receive, send)
+
+
+def create_app(service: Service) -> Api:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await service.start()
@@ -52,7 +73,7 @@ def create_app(service: Service) -> FastAPI:
             await service.stop()
 
     # the API docs are served by api/docs.py, behind a token (they describe every route, worker protocol included)
-    app = FastAPI(title="Turnout", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+    app = Api(title="Turnout", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)  # fmt: skip
     app.router.route_class = StrictJsonRoute  # every JSON body is parsed strictly (api/strictjson.py)
     errors.install(app)
@@ -63,12 +84,11 @@ def create_app(service: Service) -> FastAPI:
     task_routes = tasks.router(service, guards)
     pipeline_routes = pipelines.router(service, guards)
     # inside the limits: reports, single submissions, result waits and run starts answered without FastAPI's
-    # machinery when plain
-    app.add_middleware(FastPath, service=service, complete=worker_routes.complete, lease=worker_routes.lease,
-                       events=worker_routes.events,
-                       submit=task_routes.submit, start_run=pipeline_routes.start, result=task_routes.result)  # fmt: skip
-    app.add_middleware(BodyLimit, limits=settings.request_limits)
-    app.add_middleware(SubmitGate, service=service)  # outermost: 429 over the rate, body unread
+    # machinery when plain; outermost, the gate: 429 over the rate, body unread
+    fast = FastPath(app.whole, service=service, complete=worker_routes.complete, lease=worker_routes.lease,
+                    events=worker_routes.events,
+                    submit=task_routes.submit, start_run=pipeline_routes.start, result=task_routes.result)  # fmt: skip
+    app.front = SubmitGate(BodyLimit(fast, limits=settings.request_limits), service=service)
 
     # in this order: the OpenAPI document lists the routes as they are included
     app.include_router(docs.router(app, guards))
