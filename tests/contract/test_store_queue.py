@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from tests.contract.test_store import _task
 from turnout.gpu.allocation import GpuGrant
 from turnout.models import Allocation, Device, GpuMode, Routing, Task, TaskSpec, TaskState
+from turnout.resources import parse_resources
 from turnout.store import Store
 from turnout.store.base import queue_pages
 
@@ -211,7 +212,11 @@ def test_typed_records_read_back_as_written(store: Store) -> None:
 
 
 def test_a_record_read_is_a_copy_changing_it_changes_nothing_stored(store: Store) -> None:
-    store.insert_tasks([_task(1)])
+    """Also where a read shares what it decoded with later reads of the same stored text (SQLite keeps decoded
+    resources, allocations, grants and routings): the mutable part of a record (a routing's last error) is
+    never shared, whether a task's own or another's with the very same routing."""
+    failed = Routing(last_error={"type": "oom", "notes": ["a"]})
+    store.insert_tasks([_task(1), replace(_task(2), routing=failed), replace(_task(3), routing=failed)])
     store.update_tasks([("t_000001", (TaskState.QUEUED,), 0, {"isolation": {"keys": ["a"]}})])
     first = store.get_task("t_000001")
     assert first is not None and first.isolation is not None
@@ -219,6 +224,13 @@ def test_a_record_read_is_a_copy_changing_it_changes_nothing_stored(store: Store
     first.spec.input["n"] = 99
     again = store.get_task("t_000001")
     assert again is not None and again.isolation == {"keys": ["a"]} and again.spec.input == {"n": 1}
+    for _ in range(2):  # the second read is the one a decoded-record cache would answer
+        two, three = store.get_tasks(["t_000002", "t_000003"])
+        assert two.routing == three.routing == failed
+        assert two.routing is not None and two.routing.last_error is not None
+        two.routing.last_error["notes"].append("changed")
+        two.routing.last_error["type"] = "changed"
+        assert three.routing is not None and three.routing.last_error == {"type": "oom", "notes": ["a"]}
 
 
 def test_every_read_of_a_task_gives_the_same_record(store: Store) -> None:
@@ -241,6 +253,12 @@ def test_every_read_of_a_task_gives_the_same_record(store: Store) -> None:
     assert store.active_tasks(["w_1"], inputs=False) == [bare] and store.active_tasks(inputs=False) == [bare]
     assert store.get_task(task.id) == task  # the input is only left unread
     assert store.list_tasks(tenant=None) == [task]
+    # resources of no key given (stored as an empty object): none, on every path, and read twice
+    plain = replace(_task(2), spec=replace(_task(2).spec, resources=None, resource_keys=frozenset()))
+    store.insert_tasks([replace(plain, spec=replace(plain.spec, resources=parse_resources({})))])
+    for _ in range(2):
+        assert store.get_task(plain.id) == plain and store.get_tasks([plain.id]) == [plain]
+        assert sorted(store.list_tasks(tenant=None), key=lambda t: t.id) == [task, plain]
 
 
 @given(

@@ -17,7 +17,7 @@ import sqlite3
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
@@ -38,7 +38,7 @@ from turnout.models import (
     Worker,
     WorkerState,
 )
-from turnout.resources import parse_resources
+from turnout.resources import Resources, parse_resources
 from turnout.store import schema
 from turnout.store.base import QueuedKind, queue_pages
 from turnout.store.migrations import migrate
@@ -781,11 +781,13 @@ class RawTable:
     SQLAlchemy's per-statement machinery (execution context, expanding the IN list, result processing) took
     about 40 us a statement where SQLite itself took 13, and a task's path makes about ten of them."""
 
-    def __init__(self, table: sa.Table) -> None:
+    def __init__(self, table: sa.Table, *, as_text: Iterable[str] = ()) -> None:
+        """`as_text`: JSON columns `rows` leaves as stored, for a reader that decodes them itself."""
         self.name = table.name
         self.columns = tuple(c.name for c in table.c)
         self.json = frozenset(c.name for c in table.c if isinstance(c.type, sa.JSON))
         self._json_at = tuple(i for i, name in enumerate(self.columns) if name in self.json)
+        self._decoded_at = tuple(i for i in self._json_at if self.columns[i] not in frozenset(as_text))
         self.row = collections.namedtuple(f"_{table.name}_row", self.columns)  # type: ignore[misc]
         self.insert = (
             f"INSERT INTO {self.name} ({', '.join(self.columns)}) VALUES ({_marks(len(self.columns))})"
@@ -810,7 +812,7 @@ class RawTable:
         out = []
         for values in sqlite_of(conn).execute(sql, params).fetchall():
             row = list(values)
-            for i in self._json_at:
+            for i in self._decoded_at:
                 if row[i] is not None:
                     row[i] = sqlite_json_value(row[i])
             out.append(self.row(*row))
@@ -856,12 +858,50 @@ def sqlite_of(conn: sa.Connection) -> sqlite3.Connection:
     return raw
 
 
-TASKS = RawTable(T)
+# a task's records, read on SQLite as their JSON text: decoded through `_records_of_text`
+TASKS = RawTable(T, as_text=("resources", "routing", "alloc", "gpus"))
 AUDIT = RawTable(schema.audit)  # its id: NULL in the insert, so SQLite numbers the row
 
 
 def _sqlite_tasks(conn: sa.Connection, sql: str, params: Sequence[Any]) -> list[Task]:
-    return [_task(r) for r in TASKS.rows(conn, sql, params)]
+    return [_task(r, _records_of_text(r)) for r in TASKS.rows(conn, sql, params)]
+
+
+# Decoded records by their stored text. A lease reads every task its worker holds (up to `prefetch` + slots
+# rows, each lease), and nearly all of them carry the same few resources, allocations and routings: decoding
+# each again (JSON, then the record's checks) was most of a row's read. Only immutable records are kept, so a
+# read stays a copy: a routing that carries an error (a dict) is decoded afresh.
+RECORDS_KEPT = 4096
+
+
+@functools.lru_cache(maxsize=RECORDS_KEPT)
+def _resources_of_text(text: str | bytes) -> tuple[Resources | None, frozenset[str]]:
+    stored = sqlite_json_value(text)
+    return parse_resources(stored) if stored else None, frozenset(stored or ())
+
+
+@functools.lru_cache(maxsize=RECORDS_KEPT)
+def _alloc_of_text(text: str | bytes) -> Allocation | None:
+    return Allocation.from_dict(sqlite_json_value(text))
+
+
+@functools.lru_cache(maxsize=RECORDS_KEPT)
+def _grant_of_text(text: str | bytes) -> GpuGrant:
+    return GpuGrant.from_dict(sqlite_json_value(text))
+
+
+@functools.lru_cache(maxsize=RECORDS_KEPT)
+def _routing_of_text(text: str | bytes) -> Routing | None:
+    return Routing.from_dict(sqlite_json_value(text))
+
+
+def _records_of_text(r: Any) -> _Records:
+    resources, keys = _resources_of_text(r.resources) if r.resources else (None, frozenset())
+    routing = _routing_of_text(r.routing) if r.routing is not None else None
+    if routing is not None and routing.last_error is not None:  # never handed out: its error is a dict
+        routing = Routing.from_dict(sqlite_json_value(r.routing))
+    alloc = _alloc_of_text(r.alloc) if r.alloc is not None else None
+    return _Records(resources, keys, routing, alloc, _grant_of_text(r.gpus) if r.gpus else None)
 
 
 @functools.lru_cache(maxsize=256)
@@ -1004,22 +1044,38 @@ def _task_row(t: Task) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _task(r: Any) -> Task:
-    resources = parse_resources(r.resources) if r.resources else None
+class _Records(NamedTuple):
+    """A task row's records, decoded."""
+
+    resources: Resources | None
+    resource_keys: frozenset[str]
+    routing: Routing | None
+    alloc: Allocation | None
+    gpus: GpuGrant | None
+
+    @classmethod
+    def of(cls, r: Any) -> _Records:
+        """From a row whose JSON columns are decoded (SQLAlchemy's, PostgreSQL's, the memory store's)."""
+        return cls(parse_resources(r.resources) if r.resources else None, frozenset(r.resources or ()),
+                   Routing.from_dict(r.routing), Allocation.from_dict(r.alloc),
+                   GpuGrant.from_dict(r.gpus) if r.gpus else None)  # fmt: skip
+
+
+def _task(r: Any, records: _Records | None = None) -> Task:
+    resources, resource_keys, routing, alloc, gpus = records if records is not None else _Records.of(r)
     spec = TaskSpec(
         capability=r.capability, input=r.input, gpu=GpuMode(r.gpu_mode), gpu_wait_s=r.gpu_wait_s,
-        resources=resources, resource_keys=frozenset(r.resources or ()), priority=r.priority,
+        resources=resources, resource_keys=resource_keys, priority=r.priority,
         timeout_s=r.timeout_s, placement_timeout_s=r.placement_timeout_s, max_retries=r.max_retries,
         idempotency_key=r.idempotency_key, labels=r.labels or {},
     )  # fmt: skip
     return Task(
         id=r.id, tenant=r.tenant, spec=spec, state=TaskState(r.state), created_at=r.created_at,
         attempts=r.attempts, output=r.output, error=r.error, worker_id=r.worker_id,
-        device=Device(r.device) if r.device else None, gpus=GpuGrant.from_dict(r.gpus) if r.gpus else None,
-        gpu_model=r.gpu_model, routing=Routing.from_dict(r.routing),
+        device=Device(r.device) if r.device else None, gpus=gpus, gpu_model=r.gpu_model, routing=routing,
         queued_at=r.queued_at, leased_at=r.leased_at, started_at=r.started_at, finished_at=r.finished_at,
         run_s=r.run_s, cost_usd=r.cost_usd, unservable_since=r.unservable_since, pipeline_run_id=r.pipeline_run_id,
-        alloc=Allocation.from_dict(r.alloc), isolation=r.isolation, cold_start_s=r.cold_start_s, usage=r.usage,
+        alloc=alloc, isolation=r.isolation, cold_start_s=r.cold_start_s, usage=r.usage,
     )  # fmt: skip
 
 
