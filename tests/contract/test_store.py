@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -96,6 +98,62 @@ def test_migrations_are_recorded_and_idempotent(sql_store: SqlStore) -> None:
     again = SqlStore(sql_store.url)
     assert again.schema_version == sql_store.schema_version >= 1
     again.close()
+
+
+def _sqlite_layout(path: Path) -> tuple[list[str], set[tuple[str, str]]]:
+    """The tasks table's columns in stored order, and its indexes as (name, SQL)."""
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        columns = [row[1] for row in db.execute("PRAGMA table_info(tasks)")]
+        indexes = set(
+            db.execute("SELECT name, sql FROM sqlite_master WHERE type = 'index' AND tbl_name = 'tasks'")
+        )
+    return columns, indexes
+
+
+def test_migration_10_rebuilds_an_older_sqlite_tasks_table_inputs_last_keeping_rows_and_indexes(
+    tmp_path: Path,
+) -> None:
+    """A database from before migration 10 (input, output and error stored after `state`, as migrations 1-9
+    left them) is rebuilt in today's order on open: every row as it was, every index as a fresh database has
+    it (and unique ones still refuse a duplicate)."""
+    path = tmp_path / "old.db"
+    store = SqlStore(f"sqlite:///{path}")
+    big = "x" * 100_000  # on overflow pages
+    keyed = _task(1, key="k1")
+    tasks = [replace(keyed, spec=replace(keyed.spec, input={"text": big, "n": [1, 2.5, None]})),
+             replace(_task(2), state=TaskState.FAILED, output={"deep": {"é": 1}}, error={"type": "oom"}),
+             _task(3)]  # fmt: skip
+    store.insert_tasks(tasks)
+    store.close()
+    today, fresh_indexes = _sqlite_layout(path)
+    assert today[-3:] == ["error", "output", "input"]
+    old_order = ["id", "tenant", "capability", "state", "input", "output", "error",
+                 *(c for c in today if c not in ("id", "tenant", "capability", "state", "input", "output", "error"))]  # fmt: skip
+    with contextlib.closing(sqlite3.connect(path)) as db, db:  # as version 9 left it
+        db.execute("ALTER TABLE tasks RENAME TO tasks_today")
+        for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'tasks_today' "
+                                  "AND sql IS NOT NULL").fetchall():  # fmt: skip
+            db.execute(f'DROP INDEX "{name}"')
+        db.execute(f"CREATE TABLE tasks AS SELECT {', '.join(old_order)} FROM tasks_today")
+        db.execute(
+            "CREATE INDEX ix_tasks_worker ON tasks (worker_id, state)"
+        )  # a name the new table needs too
+        db.execute("DROP TABLE tasks_today")
+        db.execute("DELETE FROM schema_migrations WHERE version = 10")
+    assert _sqlite_layout(path)[0] == old_order
+
+    again = SqlStore(f"sqlite:///{path}")
+    try:
+        assert _sqlite_layout(path) == (today, fresh_indexes)
+        assert again.get_tasks([t.id for t in tasks]) == tasks
+        assert again.insert_tasks([replace(_task(4, key="k1"), spec=tasks[0].spec)]) == [
+            tasks[0]
+        ]  # deduplicated
+        assert again.schema_version >= 10
+    finally:
+        again.close()
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        assert not db.execute("SELECT name FROM sqlite_master WHERE name = 'tasks_before_10'").fetchall()
 
 
 def test_open_store_picks_the_backend_by_url_and_names_the_field_of_a_bad_one(tmp_path: Path) -> None:

@@ -76,6 +76,27 @@ def _files(conn: sa.Connection) -> None:
     schema.files.create(conn, checkfirst=True)
 
 
+def _inputs_last(conn: sa.Connection) -> None:
+    """On SQLite, the tasks table rebuilt in today's column order: error, output and input last (schema.py
+    says why). A table `_initial` made from today's schema has that order already. PostgreSQL keeps a large
+    value out of its row (TOAST), so its column order costs no read there: its table stays as it is."""
+    if conn.dialect.name != "sqlite":
+        return
+    want = [c.name for c in schema.tasks.c]
+    if [c["name"] for c in sa.inspect(conn).get_columns("tasks")] == want:
+        return
+    conn.execute(sa.text("ALTER TABLE tasks RENAME TO tasks_before_10"))
+    old_indexes = conn.execute(sa.text(  # index names are the database's, not the table's: free them first
+        "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'tasks_before_10' AND sql IS NOT NULL"
+    )).scalars().all()  # fmt: skip
+    for name in old_indexes:
+        conn.execute(sa.text(f'DROP INDEX "{name}"'))
+    schema.tasks.create(conn)  # with every index of today's schema
+    columns = ", ".join(want)  # migrations 1-9 made every one of them
+    conn.execute(sa.text(f"INSERT INTO tasks ({columns}) SELECT {columns} FROM tasks_before_10"))
+    conn.execute(sa.text("DROP TABLE tasks_before_10"))
+
+
 MIGRATIONS: list[Migration] = [
     (1, "initial tables", _initial),
     (2, "lease-order index; JSON null as SQL NULL", _queue_order_and_nulls),
@@ -92,6 +113,7 @@ MIGRATIONS: list[Migration] = [
     # no-ops where the tables exist already.
     (8, "sweeps: which replica ran each periodic sweep last", _sweeps),
     (9, "files: task inputs and outputs", _files),
+    (10, "tasks: error, output and input stored last (SQLite)", _inputs_last),
 ]
 
 

@@ -18,9 +18,6 @@ tasks = sa.Table(
     sa.Column("tenant", sa.String(64), nullable=False),
     sa.Column("capability", sa.String(64), nullable=False),
     sa.Column("state", sa.String(16), nullable=False),
-    sa.Column("input", Json),
-    sa.Column("output", Json),
-    sa.Column("error", Json),
     sa.Column("gpu_mode", sa.String(16), nullable=False),
     sa.Column("gpu_wait_s", sa.Float, nullable=False),
     sa.Column("resources", Json),  # the task's own overrides, as given
@@ -49,6 +46,12 @@ tasks = sa.Table(
     sa.Column("pipeline_run_id", sa.String(40)),
     sa.Column("cold_start_s", sa.Float),  # process start and setup this task paid for
     sa.Column("usage", Json),  # peak_rss_bytes, peak_gpu_memory_bytes, batch_size
+    # last, largest last: SQLite stores a row's columns in this order, and a value too large for the row's page
+    # goes on a chain of overflow pages, which a read of any column stored after it walks. So the lease's read of
+    # what a worker holds (every column but the input) never touches a 100 kB input's pages (migration 10).
+    sa.Column("error", Json),
+    sa.Column("output", Json),
+    sa.Column("input", Json),
     sa.Index("ix_tasks_queue", "state", "capability", "priority", "created_at"),
     sa.Index("ix_tasks_worker", "worker_id", "state"),
     sa.Index("ix_tasks_tenant", "tenant", "id"),
