@@ -787,7 +787,8 @@ class RawTable:
         self.columns = tuple(c.name for c in table.c)
         self.json = frozenset(c.name for c in table.c if isinstance(c.type, sa.JSON))
         self._json_at = tuple(i for i, name in enumerate(self.columns) if name in self.json)
-        self._decoded_at = tuple(i for i in self._json_at if self.columns[i] not in frozenset(as_text))
+        kept_as_text = frozenset(as_text)
+        self._decoded_at = tuple(i for i in self._json_at if self.columns[i] not in kept_as_text)
         self.row = collections.namedtuple(f"_{table.name}_row", self.columns)  # type: ignore[misc]
         self.insert = (
             f"INSERT INTO {self.name} ({', '.join(self.columns)}) VALUES ({_marks(len(self.columns))})"
