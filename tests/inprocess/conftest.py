@@ -16,6 +16,7 @@ import pytest
 from tests.inprocess.asgi import InProcessApi
 from tests.inprocess.harness import FakeClock, Harness
 from turnout.access import ALL_TENANTS
+from turnout.api.app import Api as AppApi
 from turnout.api.app import create_app
 from turnout.api.service import Service
 from turnout.auth import TokenBook
@@ -42,6 +43,7 @@ class Api:
     service: Service
     clock: FakeClock
     store: Store
+    app: AppApi | None = None  # the application the client calls, where the test built it
 
     @property
     def ctrl(self) -> Controller:
@@ -149,7 +151,7 @@ async def serve_api(
         async with httpx.AsyncClient(
             transport=transport, base_url="http://turnout", headers=headers
         ) as client:
-            yield Api(client, service, clock, store)
+            yield Api(client, service, clock, store, app)
 
 
 @pytest.fixture

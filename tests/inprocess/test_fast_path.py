@@ -404,3 +404,30 @@ async def test_a_result_wait_answers_the_same_through_the_fast_path_and_the_rout
         # Then both answer alike: the task for its tenant, 404 for another tenant and for no task
         assert (fast.status_code, fast.json()) == (route.status_code, route.json())
         assert fast.status_code == status
+
+
+async def test_a_plain_request_never_enters_fastapis_own_middleware_anything_else_does(
+    api: Api, worker: Worker
+) -> None:
+    """The rate gate, the body limit and the fast path stand in front of FastAPI's middleware (`app.Api`): a
+    plain submission, lease poll or report is answered without entering it (its error pages, telemetry and body
+    limit); a request the fast path does not take goes on through it."""
+    assert api.app is not None
+    entered: list[str] = []
+    whole = api.app.build_middleware_stack()
+
+    async def counted(scope: Any, receive: Any, send: Any) -> None:
+        entered.append(scope["path"])
+        await whole(scope, receive, send)
+
+    api.app.middleware_stack = counted  # what Starlette calls, below FastAPI's own door
+    submit = await submitter(api)
+    assert entered == ["/v1/tokens", "/v1/tasks"]  # made, then its first use: the route checks it
+    entered.clear()
+    resp = await api.client.post("/v1/tasks", json=SUBMISSION, headers=submit)
+    assert resp.status_code == 201, resp.text
+    [task] = (await worker.lease())["tasks"]
+    assert (await worker.complete(task, {"text": "HI"}))["accepted"] == [task["id"]]
+    assert entered == []
+    assert (await api.client.get(f"/v1/tasks/{task['id']}", headers=submit)).json()["state"] == "succeeded"
+    assert entered == [f"/v1/tasks/{task['id']}"]
