@@ -21,6 +21,7 @@ from turnout.errors import (
     InvalidInput,
     NotFound,
     RateLimited,
+    StorageFull,
     TurnoutError,
     Unauthorized,
     Unavailable,
@@ -33,6 +34,8 @@ def fix_for(exc: TurnoutError) -> str:
     """The one thing to try next for an error the CLI shows."""
     if exc.field == "port":
         return "choose another --port, or stop what listens there"
+    if isinstance(exc, StorageFull):
+        return "free space on that disk, then start again"
     if exc.field == "db":
         return "--db takes sqlite:///PATH (restore a damaged file from a backup), postgresql://USER@HOST/DB of a server this host reaches, or memory://"
     if isinstance(exc, Unavailable):

@@ -125,6 +125,10 @@ class Unavailable(TurnoutError):
     type = "unavailable"
 
 
+class StorageFull(Unavailable):
+    """The database's disk has no room for a write it must make before it can serve (opening it migrates)."""
+
+
 class StorageUnavailable(Unavailable):
     """The database refused or lost a write, so nothing of the request is durable: the caller may retry as is.
 

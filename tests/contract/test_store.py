@@ -110,6 +110,28 @@ def _sqlite_layout(path: Path) -> tuple[list[str], set[tuple[str, str]]]:
     return columns, indexes
 
 
+def as_before_migration_10(path: Path) -> list[str]:
+    """Turn the SQLite database at `path` into what migrations 1-9 left: the tasks table with input, output
+    and error stored after `state`, one of its index names taken, migration 10 not recorded. Its column order."""
+    today = _sqlite_layout(path)[0]
+    moved = ("id", "tenant", "capability", "state", "input", "output", "error")
+    old_order = [*moved, *(c for c in today if c not in moved)]
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as db:
+        db.execute("BEGIN")  # one transaction, DDL included
+        db.execute("ALTER TABLE tasks RENAME TO tasks_today")
+        for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'tasks_today' "
+                                  "AND sql IS NOT NULL").fetchall():  # fmt: skip
+            db.execute(f'DROP INDEX "{name}"')
+        db.execute(f"CREATE TABLE tasks AS SELECT {', '.join(old_order)} FROM tasks_today")
+        db.execute(
+            "CREATE INDEX ix_tasks_worker ON tasks (worker_id, state)"
+        )  # a name the new table needs too
+        db.execute("DROP TABLE tasks_today")
+        db.execute("DELETE FROM schema_migrations WHERE version = 10")
+        db.execute("COMMIT")
+    return old_order
+
+
 def test_migration_10_rebuilds_an_older_sqlite_tasks_table_inputs_last_keeping_rows_and_indexes(
     tmp_path: Path,
 ) -> None:
@@ -127,19 +149,7 @@ def test_migration_10_rebuilds_an_older_sqlite_tasks_table_inputs_last_keeping_r
     store.close()
     today, fresh_indexes = _sqlite_layout(path)
     assert today[-3:] == ["error", "output", "input"]
-    old_order = ["id", "tenant", "capability", "state", "input", "output", "error",
-                 *(c for c in today if c not in ("id", "tenant", "capability", "state", "input", "output", "error"))]  # fmt: skip
-    with contextlib.closing(sqlite3.connect(path)) as db, db:  # as version 9 left it
-        db.execute("ALTER TABLE tasks RENAME TO tasks_today")
-        for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'tasks_today' "
-                                  "AND sql IS NOT NULL").fetchall():  # fmt: skip
-            db.execute(f'DROP INDEX "{name}"')
-        db.execute(f"CREATE TABLE tasks AS SELECT {', '.join(old_order)} FROM tasks_today")
-        db.execute(
-            "CREATE INDEX ix_tasks_worker ON tasks (worker_id, state)"
-        )  # a name the new table needs too
-        db.execute("DROP TABLE tasks_today")
-        db.execute("DELETE FROM schema_migrations WHERE version = 10")
+    old_order = as_before_migration_10(path)
     assert _sqlite_layout(path)[0] == old_order
 
     again = SqlStore(f"sqlite:///{path}")

@@ -10,15 +10,20 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import sqlite3
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import Cluster, Processes
+from tests.conftest import Cluster, Processes, free_port
+from tests.contract.test_store import as_before_migration_10
 from tests.faults.conftest import FaultReport, completed_runs, gpus_left_allocated
+from turnout.models import Task, TaskSpec, TaskState
+from turnout.store import SqlStore
 
 APP = "tests.apps.testapp:app"
 DISK = "32m"
@@ -43,13 +48,13 @@ def fill(disk: Path) -> Path:
         os.close(fd)
 
 
-@pytest.fixture
-def cluster_on_small_disk(tmp_path: Path) -> Iterator[tuple[Cluster, Path]]:
-    """A controller whose home (and SQLite database) is a freshly mounted tmpfs of DISK bytes."""
-    home = tmp_path / "home"
-    home.mkdir()
+@contextlib.contextmanager
+def small_disk(where: Path, size: str = DISK) -> Iterator[Path]:
+    """A freshly mounted tmpfs of `size` at `where` (skips the test where the host does not permit `mount`);
+    unmounted afterwards. Stop what holds files open on it first."""
+    where.mkdir(exist_ok=True)
     try:
-        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK},mode=0700", "tmpfs", str(home)],
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)],
                                  capture_output=True, text=True)  # fmt: skip
         problem = (
             (mounted.stderr.strip() or f"mount exited {mounted.returncode}") if mounted.returncode else ""
@@ -58,17 +63,78 @@ def cluster_on_small_disk(tmp_path: Path) -> Iterator[tuple[Cluster, Path]]:
         problem = "no mount command"
     if problem:  # only where the host does not permit it: where it does, the test runs (CI included)
         pytest.skip(f"cannot mount a tmpfs for the database here: {problem}")
-    procs = Processes()
     try:
-        cluster = Cluster(tmp_path, procs, f"sqlite:///{home / 'turnout.db'}")
-        cluster.start_controller()
-        yield cluster, home
+        yield where
     finally:
-        procs.stop_all()  # the controller holds the database open: stop it before unmounting
         with contextlib.suppress(OSError):
-            (home / "filler").unlink()
-        if subprocess.run(["umount", str(home)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(home)], capture_output=True)
+            (where / "filler").unlink()
+        if subprocess.run(["umount", str(where)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+@pytest.fixture
+def cluster_on_small_disk(tmp_path: Path) -> Iterator[tuple[Cluster, Path]]:
+    """A controller whose home (and SQLite database) is a freshly mounted tmpfs of DISK bytes."""
+    with small_disk(tmp_path / "home") as home:
+        procs = Processes()
+        try:
+            cluster = Cluster(tmp_path, procs, f"sqlite:///{home / 'turnout.db'}")
+            cluster.start_controller()
+            yield cluster, home
+        finally:
+            procs.stop_all()  # the controller holds the database open: stop it before unmounting
+
+
+@pytest.mark.parametrize("room", [0, 512 * 1024], ids=["no room", "room to open, not to rebuild"])
+def test_an_upgrade_on_a_full_disk_changes_nothing_says_so_in_one_line_and_runs_once_there_is_room(
+    tmp_path: Path, fault_report: FaultReport, room: int
+) -> None:
+    """Migration 10 rebuilds the tasks table, so it needs room for a second copy: on a full disk (with no
+    room at all, or room to open the database but not for the copy, so the rebuild fails halfway) the
+    controller stops before serving, with one line that says what to do, and the database is as it was;
+    once there is room, the same command upgrades it, every task kept."""
+    with small_disk(tmp_path / "disk", "16m") as disk:
+        url = f"sqlite:///{disk / 'turnout.db'}"
+        store = SqlStore(url)
+        tasks = [Task(id=f"t_{i:06d}", tenant="default", spec=TaskSpec("cap", {"text": "x" * 1000, "n": i}),
+                      state=TaskState.SUCCEEDED, created_at=1.0 + i, queued_at=1.0 + i, output={"n": i})
+                 for i in range(1500)]  # fmt: skip
+        store.insert_tasks(tasks)
+        store.close()
+        old_order = as_before_migration_10(disk / "turnout.db")
+        filler = fill(disk)
+        os.truncate(filler, max(0, filler.stat().st_size - room))
+        argv = [sys.executable, "-m", "turnout.cli", "controller", "--db", url, "--port", str(free_port()),
+                "--home", str(tmp_path / "home")]  # fmt: skip
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+        assert out.returncode == 2, out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr, out.stderr
+        assert "its disk is full" in out.stderr and "free space on that disk" in out.stderr, out.stderr
+        if room:  # it opened, and the rebuild ran out of room while writing: the migration itself was undone
+            assert "database or disk is full" in out.stderr, out.stderr
+        filler.unlink()  # room to read (SQLite's shared-memory file) before anything opens it to write
+        with contextlib.closing(sqlite3.connect(disk / "turnout.db")) as db:
+            assert [row[1] for row in db.execute("PRAGMA table_info(tasks)")] == old_order
+            assert db.execute("SELECT MAX(version) FROM schema_migrations").fetchone() == (9,)
+            assert db.execute("SELECT COUNT(*) FROM tasks").fetchone() == (1500,)
+        started = time.monotonic()
+        store = SqlStore(url)  # what the controller opens first
+        try:
+            fault_report.recover_s = time.monotonic() - started  # the upgrade, once there is room
+            assert store.schema_version >= 10
+            kept = store.get_tasks([t.id for t in tasks])
+        finally:
+            store.close()
+        with contextlib.closing(sqlite3.connect(disk / "turnout.db")) as db:
+            assert [row[1] for row in db.execute("PRAGMA table_info(tasks)")][-3:] == [
+                "error",
+                "output",
+                "input",
+            ]
+    fault_report.accepted_lost = len(tasks) - sum(1 for t in kept if t in tasks)
+    fault_report.notes.append("the upgrade refused on a full disk in one line, the database unchanged; "
+                              f"{len(tasks)} tasks rebuilt once there was room")  # fmt: skip
+    fault_report.check()
 
 
 def ids_listed(cluster: Cluster) -> set[str]:

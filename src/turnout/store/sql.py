@@ -24,7 +24,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-from turnout.errors import IdempotencyConflict, InvalidInput, TurnoutError, Unavailable
+from turnout.errors import IdempotencyConflict, InvalidInput, StorageFull, TurnoutError, Unavailable
 from turnout.gpu.allocation import GpuGrant
 from turnout.models import (
     Allocation,
@@ -92,9 +92,29 @@ def unopenable(url: str, exc: BaseException) -> TurnoutError:
     cause = exc.orig if isinstance(exc, sa.exc.DBAPIError) and exc.orig is not None else exc
     reason = " ".join(str(cause).split()) or type(cause).__name__
     where = sa.engine.make_url(url).render_as_string(hide_password=True)
+    if url.startswith("sqlite") and _disk_full(cause, sa.engine.make_url(url).database):  # opening may write
+        return StorageFull(f"db: {where}: its disk is full ({reason}); nothing in the database was changed",
+                           field="db")  # fmt: skip
     if url.startswith("sqlite"):
         return InvalidInput(f"db: cannot open {where} as a SQLite database ({reason})", field="db")
     return Unavailable(f"db: cannot open the database at {where} ({reason})", field="db")
+
+
+SQLITE_FULL = 13  # SQLite's result code for a full disk (`sqlite3.SQLITE_FULL` from Python 3.11)
+DISK_FULL_BYTES = 64 * 1024  # less room than this left on the database's disk: it is full
+
+
+def _disk_full(cause: BaseException, path: str | None) -> bool:
+    """Whether SQLite failed for want of room: it says so (SQLITE_FULL), or the disk that holds the database
+    has none left (a full disk may fail SQLite's shared-memory file first, as a plain I/O error)."""
+    code = getattr(cause, "sqlite_errorcode", None)  # Python 3.11+
+    if code == SQLITE_FULL or "database or disk is full" in str(cause):
+        return True
+    try:
+        room = os.statvfs(Path(path).parent) if path else None
+    except OSError:
+        return False
+    return room is not None and room.f_bavail * room.f_frsize < DISK_FULL_BYTES
 
 
 # Driver errors that mean the database itself failed (full, I/O error, gone, locked past the busy timeout),
