@@ -88,7 +88,8 @@ def private_sqlite_file(path: Path) -> None:
 def unopenable(url: str, exc: BaseException) -> TurnoutError:
     """What to tell the operator whose `--db` names a database that cannot be opened: which one (no password),
     the driver's reason, in one line. A SQLite file that is not a database (damaged, or another file) is the
-    operator's input; a server that does not answer may be back in a moment."""
+    operator's input; a server that does not answer may be back in a moment; a SQLite file whose disk has no
+    room (opening it may migrate it, which writes: the migration is then undone whole) is `StorageFull`."""
     cause = exc.orig if isinstance(exc, sa.exc.DBAPIError) and exc.orig is not None else exc
     reason = " ".join(str(cause).split()) or type(cause).__name__
     where = sa.engine.make_url(url).render_as_string(hide_password=True)
