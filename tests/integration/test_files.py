@@ -263,7 +263,7 @@ def test_each_task_gets_an_output_directory_no_task_had_and_a_stopped_worker_lea
 
 def test_files_expire_after_the_retention_the_config_sets(tmp_path: Path, processes: Processes) -> None:
     config = tmp_path / "turnout.yaml"
-    config.write_text("file_retention_s: 1\n")
+    config.write_text("file_retention_s: 3\n")  # room for a loaded host between the upload and the first read
     cluster = Cluster(
         tmp_path, processes, f"sqlite:///{tmp_path / 'turnout.db'}", extra_args=["--config", str(config)]
     )
