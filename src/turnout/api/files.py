@@ -24,16 +24,21 @@ round (`claim_sweep`) deletes their records, then their bytes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
-from collections.abc import Callable
-from typing import Any, TypeVar
+import os
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, BinaryIO, TypeVar
 
+import anyio
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect
 from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
+from starlette.types import Receive, Scope, Send
 
 from turnout.access import Action, Principal
 from turnout.api.guards import Guards
@@ -61,7 +66,26 @@ class SharedFileIn(Strict):
 
 
 class BigFileResponse(FileResponse):
+    """A stored file's bytes, read from a handle the route opened before answering: a file deleted or expired
+    meanwhile (its name gone, its bytes kept while the handle is open) is still sent whole, where opening it by
+    name once the headers had gone would end the answer with none of its body. Ranges read from the same handle."""
+
     chunk_size = CHUNK_BYTES  # a megabyte per read (on a thread) and per write to the socket
+
+    def __init__(self, opened: BinaryIO, path: Path, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.opened = opened
+
+    @contextlib.asynccontextmanager
+    async def _open_file(self) -> AsyncIterator[anyio.AsyncFile[bytes]]:
+        """Starlette's one place that opens `path` for the body; closing is `__call__`'s (a HEAD opens none)."""
+        yield anyio.wrap_file(self.opened)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.opened.close()
 
 
 def router(service: Service, guards: Guards) -> APIRouter:
@@ -156,24 +180,27 @@ def router(service: Service, guards: Guards) -> APIRouter:
 
     async def send(request: Request, record: FileRecord) -> Any:
         headers = {SHA256_HEADER: record.sha256, "etag": f'"{record.sha256}"', "cache-control": "private"}
-        stat = await _blocking(_stat, blobs, record.id)
-        if stat is None:
+        found = await _blocking(_open_blob, blobs, record.id)
+        if found is None:
             raise NotFound(f"file {record.id} not found (its bytes are gone from the storage)", field="id")
+        opened, stat = found
         http_range = request.headers.get("range")
         if http_range is not None:
             try:
                 BigFileResponse._parse_range_header(http_range, stat.st_size)
             except MalformedRangeHeader as exc:
+                opened.close()
                 raise InvalidInput(
                     f"Range: {exc.content} (expected bytes=START-END)", field="Range"
                 ) from None
             except RangeNotSatisfiable:
+                opened.close()
                 return JSONResponse(
                     {"error": {"type": "range_not_satisfiable", "field": "Range",
                                "message": f"Range: {http_range!r} starts past the end of a {stat.st_size}-byte file"}},
                     status_code=416, headers={"Content-Range": f"bytes */{stat.st_size}"},
                 )  # fmt: skip
-        return BigFileResponse(blobs.path(record.id), headers=headers, stat_result=stat,
+        return BigFileResponse(opened, blobs.path(record.id), headers=headers, stat_result=stat,
                                filename=record.name or record.id, media_type="application/octet-stream")  # fmt: skip
 
     # ---- a tenant's own files: submit tokens write, read tokens read; another tenant's file is not there
@@ -359,11 +386,13 @@ def _hash_file(blobs: Blobs, file_id: str) -> tuple[int, str]:
     return hash_file(blobs.path(file_id))
 
 
-def _stat(blobs: Blobs, file_id: str) -> Any:
+def _open_blob(blobs: Blobs, file_id: str) -> tuple[BinaryIO, os.stat_result] | None:
+    """The stored file opened for reading, and its size and times from that handle; None when it is gone."""
     try:
-        return blobs.path(file_id).stat()
+        opened = blobs.path(file_id).open("rb")
     except FileNotFoundError:
         return None
+    return opened, os.fstat(opened.fileno())
 
 
 async def _expire_forever(service: Service, blobs: Blobs) -> None:
