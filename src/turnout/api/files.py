@@ -188,13 +188,12 @@ def router(service: Service, guards: Guards) -> APIRouter:
         if http_range is not None:
             try:
                 BigFileResponse._parse_range_header(http_range, stat.st_size)
-            except MalformedRangeHeader as exc:
-                opened.close()
-                raise InvalidInput(
-                    f"Range: {exc.content} (expected bytes=START-END)", field="Range"
-                ) from None
-            except RangeNotSatisfiable:
-                opened.close()
+            except (MalformedRangeHeader, RangeNotSatisfiable) as exc:
+                opened.close()  # refused: no answer will read it
+                if isinstance(exc, MalformedRangeHeader):
+                    raise InvalidInput(
+                        f"Range: {exc.content} (expected bytes=START-END)", field="Range"
+                    ) from None
                 return JSONResponse(
                     {"error": {"type": "range_not_satisfiable", "field": "Range",
                                "message": f"Range: {http_range!r} starts past the end of a {stat.st_size}-byte file"}},

@@ -15,7 +15,7 @@ import json
 import os
 import sqlite3
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -92,8 +92,9 @@ def unopenable(url: str, exc: BaseException) -> TurnoutError:
     room (opening it may migrate it, which writes: the migration is then undone whole) is `StorageFull`."""
     cause = exc.orig if isinstance(exc, sa.exc.DBAPIError) and exc.orig is not None else exc
     reason = " ".join(str(cause).split()) or type(cause).__name__
-    where = sa.engine.make_url(url).render_as_string(hide_password=True)
-    if url.startswith("sqlite") and _disk_full(cause, sa.engine.make_url(url).database):  # opening may write
+    parsed = sa.engine.make_url(url)
+    where = parsed.render_as_string(hide_password=True)
+    if url.startswith("sqlite") and _disk_full(cause, parsed.database):  # opening may write
         return StorageFull(f"db: {where}: its disk is full ({reason}); nothing in the database was changed",
                            field="db")  # fmt: skip
     if url.startswith("sqlite"):
@@ -898,7 +899,11 @@ RECORDS_KEPT = 4096
 
 @functools.lru_cache(maxsize=RECORDS_KEPT)
 def _resources_of_text(text: str | bytes) -> tuple[Resources | None, frozenset[str]]:
-    stored = sqlite_json_value(text)
+    return _resources_of(sqlite_json_value(text))
+
+
+def _resources_of(stored: Mapping[str, Any] | None) -> tuple[Resources | None, frozenset[str]]:
+    """A task's own resources as stored (the keys it gave; none, or an empty object: none), and those keys."""
     return parse_resources(stored) if stored else None, frozenset(stored or ())
 
 
@@ -1078,8 +1083,7 @@ class _Records(NamedTuple):
     @classmethod
     def of(cls, r: Any) -> _Records:
         """From a row whose JSON columns are decoded (SQLAlchemy's, PostgreSQL's, the memory store's)."""
-        return cls(parse_resources(r.resources) if r.resources else None, frozenset(r.resources or ()),
-                   Routing.from_dict(r.routing), Allocation.from_dict(r.alloc),
+        return cls(*_resources_of(r.resources), Routing.from_dict(r.routing), Allocation.from_dict(r.alloc),
                    GpuGrant.from_dict(r.gpus) if r.gpus else None)  # fmt: skip
 
 
