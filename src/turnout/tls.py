@@ -2,7 +2,7 @@
 
 Workers and the CLI take `--ca-cert PATH` (the SDK `ca_cert=`, and `TURNOUT_CA_CERT` for all three), so a
 controller with a certificate from a private CA (`--tls-cert`, `--tls-key`) is verified, never trusted
-blindly. `async_client` makes the httpx client the SDK and the worker use, and remembers its TLS context,
+blindly. `async_client` makes the httpx client the SDK and the worker use (over `transport.py`), and remembers its TLS context,
 so a file download can stream over a connection of its own with the same trust (`files.download`).
 """
 
@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from turnout.errors import InvalidInput
+from turnout.transport import lean_transport
 
 _contexts: weakref.WeakKeyDictionary[httpx.AsyncClient, ssl.SSLContext] = weakref.WeakKeyDictionary()
 
@@ -38,9 +39,10 @@ def tls_verify(ca_cert: Path | None) -> ssl.SSLContext:
 def async_client(
     *, ca_cert: Path | None, transport: httpx.AsyncBaseTransport | None = None, **options: Any
 ) -> httpx.AsyncClient:
-    """An httpx.AsyncClient trusting `ca_cert` (with `options` as httpx takes them)."""
+    """An httpx.AsyncClient trusting `ca_cert` (with `options` as httpx takes them), over `transport.py`'s
+    HTTP/1.1 transport unless given another."""
     context = tls_verify(ca_cert)
-    client = httpx.AsyncClient(verify=context, transport=transport, **options)
+    client = httpx.AsyncClient(verify=context, transport=transport or lean_transport(context), **options)
     if transport is None:  # a stand-in transport (tests) is reached only through httpx
         _contexts[client] = context
     return client
