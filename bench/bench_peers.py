@@ -13,7 +13,8 @@ One system at a time, never two at once, repetitions interleaved (T, C, R, T, C,
 Each phase is timed from the first submit until every result is in, and every task is counted as succeeded
 or not. Latency: sequential round trips, submit to result, each system's own way to submit and wait: Turnout's
 `Client.run` (one request: the submission answers once the task ended), Celery's `.delay().get()`, Ray's
-`ray.get(f.remote())`. CPU per task: user + system CPU from /proc of the
+`ray.get(f.remote())`; beside Turnout's, alternated with it, the same `Client.run` over httpx's own transport
+instead of Turnout's (`transport.py`). CPU per task: user + system CPU from /proc of the
 system's processes (controller, worker agent, handlers; Celery's workers and the Redis server; Ray's GCS,
 raylet and workers), read by `peer_measure.CpuMeter` through the bulk phase (processes that start or end
 meanwhile included), divided by its tasks; the client's own share is beside it.
@@ -43,6 +44,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 
 from bench.bench_throughput import _Profiler, _source_state
@@ -157,16 +159,23 @@ async def _one_by_one(client: AsyncClient, n: int, timeout_s: float) -> dict[str
     return {**phase_figures(n, elapsed, submit_s, n_good), "callers": CALLERS, "states": states}
 
 
-async def _latency(client: AsyncClient, n: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Sequential round trips as `Client.run` makes them (one request), and alternated with those, as
-    `submit()` then `result()` (two): equal work, one cluster."""
+async def _latency(
+    client: AsyncClient, n: int, httpx_own: AsyncClient
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Sequential round trips as `Client.run` makes them (one request); alternated with those, as `submit()`
+    then `result()` (two), and as `Client.run` over httpx's own transport (`httpx_own`) instead of Turnout's
+    (`transport.py`): equal work, one cluster."""
 
     async def two_requests() -> dict[str, Any]:
         return await (await client.submit("noop")).result(timeout=30)
 
-    ways = (lambda: client.run("noop", timeout=30), two_requests)
-    samples: tuple[list[float], list[float]] = ([], [])
-    failed = [0, 0]
+    ways = (
+        lambda: client.run("noop", timeout=30),
+        two_requests,
+        lambda: httpx_own.run("noop", timeout=30),
+    )
+    samples: tuple[list[float], ...] = tuple([] for _ in ways)
+    failed = [0 for _ in ways]
     for i in range(20 + n):
         for k, way in enumerate(ways):
             t0 = time.perf_counter()
@@ -174,7 +183,8 @@ async def _latency(client: AsyncClient, n: int) -> tuple[dict[str, Any], dict[st
             if i >= 20:
                 samples[k].append(time.perf_counter() - t0)
                 failed[k] += task["state"] != "succeeded"
-    return latency_figures(samples[0], failed[0]), latency_figures(samples[1], failed[1])
+    one, two, own = (latency_figures(s, f) for s, f in zip(samples, failed, strict=True))
+    return one, two, own
 
 
 def _handlers(cluster: TurnoutCluster) -> int:
@@ -191,7 +201,10 @@ async def cpu_phases(cluster: TurnoutCluster, params: dict[str, Any], profile: b
         out["handler_processes"] = _handlers(cluster)
         out["bulk"] = await _bulk(client, cluster, n, {"capability": "noop"}, _on_cpu, timeout_s, profile)
         out["single"] = await _one_by_one(client, n, timeout_s)
-        out["latency"], out["latency_two_requests"] = await _latency(client, params["n_latency"])
+        async with AsyncClient(cluster.url, cluster.token, transport=httpx.AsyncHTTPTransport()) as httpx_own:
+            out["latency"], out["latency_two_requests"], out["latency_httpx_transport"] = await _latency(
+                client, params["n_latency"], httpx_own
+            )
     return out
 
 

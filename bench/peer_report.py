@@ -26,6 +26,7 @@ FIGURES = {
     "quarter_gpu_tasks_per_s": ("quarter_gpu", "tasks_per_s"),
     "quarter_gpu_default_tasks_per_s": ("quarter_gpu_default", "tasks_per_s"),  # Ray at max_calls=1
     "two_requests_p50_ms": ("latency_two_requests", "p50_ms"),  # Turnout's submit() then result()
+    "httpx_transport_p50_ms": ("latency_httpx_transport", "p50_ms"),  # Client.run over httpx's own transport
 }
 
 
@@ -118,6 +119,10 @@ def _notes(rows: dict[str, dict[str, Any]]) -> list[str]:
     if two is not None:
         notes.append("Turnout's round trips are `Client.run` (one request: the submission answers once the task "
                      f"ended); as `submit()` then `result()`, two requests, alternated with them: p50 {_num(two, 2)} ms.")  # fmt: skip
+    own = rows["turnout"].get("httpx_transport_p50_ms")
+    if own is not None:
+        notes.append(f"`Client.run` over httpx's own transport instead of Turnout's (`transport.py`), alternated with "
+                     f"them: p50 {_num(own, 2)} ms.")  # fmt: skip
     default = rows["ray"].get("quarter_gpu_default_tasks_per_s")
     if default is not None:
         notes.append("Ray's quarter-GPU tasks reuse their workers (`max_calls=0`); at Ray's default for GPU tasks "

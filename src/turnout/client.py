@@ -136,7 +136,9 @@ class AsyncTaskHandle:
 
 class AsyncClient:
     """`rate_limit_wait_s`: how long in all a call waits out 429s (as Retry-After says) before raising RateLimited.
-    `submit_window_s`: concurrent `submit()` calls this close together go as one batch (0: each on its own)."""
+    `submit_window_s`: concurrent `submit()` calls this close together go as one batch (0: each on its own).
+    `transport`: an httpx transport to send every call through instead of Turnout's own (`transport.py`), for
+    example `httpx.MockTransport` in a test of your code, or `httpx.AsyncHTTPTransport()` (httpx's own)."""
 
     def __init__(
         self,
@@ -147,6 +149,7 @@ class AsyncClient:
         rate_limit_wait_s: float = 60.0,
         ca_cert: str | Path | None = None,
         submit_window_s: float = SUBMIT_WINDOW_S,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.url = (url or default_url()).rstrip("/")
         self.rate_limit_wait_s = rate_limit_wait_s
@@ -154,7 +157,11 @@ class AsyncClient:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         ca = Path(ca_cert).expanduser() if ca_cert else default_ca_cert()
         self.http = async_client(
-            base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout_s, read=None), ca_cert=ca
+            base_url=self.url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout_s, read=None),
+            ca_cert=ca,
+            transport=transport,
         )
         self._submissions = _Coalescer(self, submit_window_s)
 
@@ -551,7 +558,7 @@ class TaskHandle:
 
 
 class Client:
-    """Blocking facade over `AsyncClient`: the same methods, one implementation."""
+    """Blocking facade over `AsyncClient`: the same methods (and options), one implementation."""
 
     def __init__(
         self,
@@ -562,12 +569,13 @@ class Client:
         rate_limit_wait_s: float = 60.0,
         ca_cert: str | Path | None = None,
         submit_window_s: float = SUBMIT_WINDOW_S,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self._loop = _Loop()
+        options = {"timeout_s": timeout_s, "rate_limit_wait_s": rate_limit_wait_s, "ca_cert": ca_cert,
+                   "submit_window_s": submit_window_s, "transport": transport}  # fmt: skip
         try:
-            self._async = self._loop.run(
-                _make_async(url, token, timeout_s, rate_limit_wait_s, ca_cert, submit_window_s)
-            )
+            self._async = self._loop.run(_make_async(url, token, **options))
         except BaseException:
             self._loop.close()
             raise
@@ -607,13 +615,6 @@ class Client:
         return lambda *a, **kw: self._run(method(*a, **kw))
 
 
-async def _make_async(
-    url: str | None,
-    token: str | None,
-    timeout_s: float,
-    rate_limit_wait_s: float,
-    ca_cert: str | Path | None,
-    submit_window_s: float,
-) -> AsyncClient:
-    return AsyncClient(url, token, timeout_s=timeout_s, rate_limit_wait_s=rate_limit_wait_s, ca_cert=ca_cert,
-                       submit_window_s=submit_window_s)  # fmt: skip
+async def _make_async(url: str | None, token: str | None, **options: Any) -> AsyncClient:
+    """The async client, made on the private loop's thread (its connections belong to that loop)."""
+    return AsyncClient(url, token, **options)

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from turnout import transport
+from turnout.client import Client
 from turnout.tls import async_client
 from turnout.transport import LeanTransport, lean_transport
 
@@ -126,6 +127,20 @@ async def test_the_sdks_and_the_workers_clients_go_over_the_lean_transport() -> 
         assert isinstance(client._transport, LeanTransport)
     finally:
         await client.aclose()
+
+
+def test_the_sdk_sends_every_call_through_a_transport_it_is_given() -> None:
+    seen: list[httpx.Request] = []
+
+    def controller(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(201, json={"id": "t_1", "state": "succeeded", "output": {"n": 2}})
+
+    with Client("http://turnout.test", "tok", transport=httpx.MockTransport(controller)) as client:
+        assert client.run("double", {"n": 1})["output"] == {"n": 2}
+    assert [(r.method, r.url.path, r.headers["authorization"]) for r in seen] == [
+        ("POST", "/v1/tasks", "Bearer tok")
+    ]
 
 
 async def test_sequential_requests_share_one_connection_and_each_gets_its_own_answer() -> None:

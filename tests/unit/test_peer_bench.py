@@ -149,6 +149,8 @@ def test_notes_give_turnouts_cpu_by_process_and_rays_default_gpu_workers() -> No
     ray["quarter_gpu_default"] = {"tasks_per_s": 1.14, "all_succeeded": True}
     t1["latency_two_requests"] = {"p50_ms": 14.0, "p99_ms": 20.0, "all_succeeded": True}
     t2["latency_two_requests"] = {"p50_ms": 15.0, "p99_ms": 21.0, "all_succeeded": True}
+    t1["latency_httpx_transport"] = {"p50_ms": 12.0, "p99_ms": 20.0, "all_succeeded": True}
+    t2["latency_httpx_transport"] = {"p50_ms": 13.0, "p99_ms": 21.0, "all_succeeded": True}
     systems: dict[str, dict[str, Any]] = {
         "turnout": {"reps": [t1, t2]},
         "celery": {"skipped": "no Redis"},
@@ -163,6 +165,10 @@ def test_notes_give_turnouts_cpu_by_process_and_rays_default_gpu_workers() -> No
     assert "CPU per task by process tree, ms: Turnout: controller 5.00, worker-peers 7.25." in text
     assert "(`max_calls=1`, a new worker process per task) they ran 1.1 tasks/s." in text
     assert "as `submit()` then `result()`, two requests, alternated with them: p50 14.50 ms." in text
+    assert (
+        "over httpx's own transport instead of Turnout's (`transport.py`), alternated with them: p50 12.50 ms."
+        in text
+    )
     assert "| Celery (prefork -c 2, Redis) | no Redis |" in text
 
 
