@@ -34,7 +34,7 @@ from turnout.errors import (
     number,
 )
 from turnout.jsonsafe import problem
-from turnout.tls import async_client
+from turnout.tls import async_client, bearer
 
 T = TypeVar("T")
 log = logging.getLogger("turnout.client")
@@ -153,8 +153,7 @@ class AsyncClient:
     ) -> None:
         self.url = (url or default_url()).rstrip("/")
         self.rate_limit_wait_s = rate_limit_wait_s
-        token = token or default_token()
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        headers = bearer(token or default_token())
         ca = Path(ca_cert).expanduser() if ca_cert else default_ca_cert()
         self.http = async_client(
             base_url=self.url,

@@ -30,7 +30,8 @@ from urllib.parse import urlparse
 
 import httpx
 
-from turnout.tls import tls_verify
+from turnout.errors import InvalidInput
+from turnout.tls import bearer, tls_verify
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 MIN_PYTHON = (3, 10)
@@ -293,7 +294,10 @@ def _token_check(url: str, settings: DoctorSettings) -> Check:
     make = (
         "on the controller host: turnout token create --role worker; then --token T or TURNOUT_TOKEN=T here"
     )
-    headers = {"Authorization": f"Bearer {settings.token}"} if settings.token else {}
+    try:
+        headers = bearer(settings.token)
+    except InvalidInput as exc:
+        return Check("token", FAIL, str(exc), "give the token exactly as `turnout token create` printed it")
     try:
         resp = httpx.get(
             f"{url}/v1/whoami",

@@ -8,6 +8,7 @@ so a file download can stream over a connection of its own with the same trust (
 
 from __future__ import annotations
 
+import re
 import ssl
 import weakref
 from pathlib import Path
@@ -18,6 +19,7 @@ import httpx
 from turnout.errors import InvalidInput
 from turnout.transport import lean_transport
 
+TOKEN_TEXT = re.compile(r"[\x21-\x7e]+")  # what a token may hold: it goes in a header line as it is
 _contexts: weakref.WeakKeyDictionary[httpx.AsyncClient, ssl.SSLContext] = weakref.WeakKeyDictionary()
 
 
@@ -34,6 +36,17 @@ def tls_verify(ca_cert: Path | None) -> ssl.SSLContext:
             f"--ca-cert: cannot load {ca_cert} as PEM certificates ({exc})", field="ca-cert"
         ) from None
     return context
+
+
+def bearer(token: str | None) -> dict[str, str]:
+    """The `Authorization` header for `token` (none without one). A token that is not all visible ASCII (a stray
+    newline from a file or a variable) is an InvalidInput naming `token`, never said back: it is a secret."""
+    if token is None or token == "":
+        return {}
+    if not TOKEN_TEXT.fullmatch(token):
+        raise InvalidInput("token: only visible ASCII characters, no spaces or line breaks (a stray newline "
+                           "from a file or a variable?)", field="token")  # fmt: skip
+    return {"Authorization": f"Bearer {token}"}
 
 
 def async_client(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import ssl
 import sys
 import time
@@ -34,8 +35,27 @@ MAX_CONNECTIONS = 100  # httpx's default limits
 MAX_IDLE = 20
 IDLE_S = 4.0  # under uvicorn's 5 s keep-alive: a connection is not reused as the server gives it up
 READ_BYTES = 65536
+TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # a method or a header name (RFC 9110)
+NOT_IN_VALUES = re.compile(rb"[\r\n\0]")  # what would end a header line early: a request smuggled in it
 Origin = tuple[str, str, int]  # scheme, host, port
 HTTP11 = {"http_version": b"HTTP/1.1"}
+
+
+def _head(request: httpx.Request) -> bytes:
+    """The request line and headers, refused (`httpx.LocalProtocolError`, as h11 refuses them) where a method,
+    a header name or a value would let another line into the request."""
+    method = request.method.encode("ascii", "replace")
+    if not TOKEN.fullmatch(method):
+        raise httpx.LocalProtocolError(f"illegal method {request.method!r}", request=request)
+    lines = [b"%s %s HTTP/1.1" % (method, request.url.raw_path)]
+    for name, value in request.headers.raw:
+        if not TOKEN.fullmatch(name) or NOT_IN_VALUES.search(value):  # the value unsaid: it may be a secret
+            said = name.decode("latin-1")
+            raise httpx.LocalProtocolError(
+                f"illegal header {said!r}: a line break in its name or value", request=request
+            )
+        lines.append(name + b": " + value)
+    return b"\r\n".join(lines) + b"\r\n\r\n"
 
 
 async def _within(step: Awaitable[T], timeout_s: float | None) -> T:
@@ -112,10 +132,7 @@ class _Connection:
         with contextlib.suppress(Exception):
             self.writer.close()
 
-    async def send(self, request: httpx.Request, timeout_s: float | None) -> None:
-        lines = [b"%s %s HTTP/1.1" % (request.method.encode("ascii"), request.url.raw_path)]
-        lines += [name + b": " + value for name, value in request.headers.raw]
-        head = b"\r\n".join(lines) + b"\r\n\r\n"
+    async def send(self, request: httpx.Request, head: bytes, timeout_s: float | None) -> None:
         try:
             if isinstance(request.stream, httpx.ByteStream):
                 self.writer.write(head + request.content)
@@ -185,6 +202,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
             return await self.fallback.handle_async_request(request)
         if self._closed:
             raise RuntimeError("the transport is closed")  # as httpx's own says of a closed client
+        head = _head(request)
         timeouts: dict[str, float | None] = request.extensions.get("timeout", {})
         # at the limit: wait as long as the pool timeout for a connection to come free
         if self._slots.locked():
@@ -198,7 +216,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         try:
             origin = (url.scheme, url.host, url.port or (443 if url.scheme == "https" else 80))
             conn = self._reused(origin) or await self._connect(origin, request, timeouts.get("connect"))
-            await conn.send(request, timeouts.get("write"))
+            await conn.send(request, head, timeouts.get("write"))
             answer = _Answer()
             while not answer.head_done:
                 await conn.read(answer, request, timeouts.get("read"))

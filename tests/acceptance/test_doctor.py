@@ -92,6 +92,13 @@ def test_doctor_fails_a_wrong_token_and_says_how_to_get_a_worker_token(
                              env=shared_cluster.env))  # fmt: skip
     assert found["token"]["status"] == "fail"
     assert "needs the worker role" in found["token"]["detail"]
+    found = checks_of(doctor("--controller", shared_cluster.url, "--token", worker_token + "\n", "--gpus", "none",
+                             "--json", env=shared_cluster.env))  # fmt: skip
+    assert found["token"]["status"] == "fail"
+    assert (
+        "no spaces or line breaks" in found["token"]["detail"]
+        and worker_token not in found["token"]["detail"]
+    )
 
 
 def test_doctor_fails_an_unreachable_controller_and_says_how_to_reach_it(tmp_path: Path) -> None:

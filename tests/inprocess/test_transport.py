@@ -20,8 +20,10 @@ import pytest
 
 from turnout import transport
 from turnout.client import Client
+from turnout.errors import InvalidInput
 from turnout.tls import async_client
 from turnout.transport import LeanTransport, lean_transport
+from turnout.worker.client import ControllerClient
 
 pytestmark = pytest.mark.anyio
 OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
@@ -322,3 +324,34 @@ async def test_past_the_connection_limit_a_request_waits_its_pool_timeout(
         held.set()
         assert (await first).text == "ok"
         assert (await client.get("/c")).text == "ok"  # the slot came back
+
+
+@pytest.mark.parametrize(
+    ("method", "headers"),
+    [
+        ("GET", {"authorization": "Bearer tok\r\nX-Role: admin"}),
+        ("GET", {"x-trailing": "tok\n"}),
+        ("GET", {"bad name": "v"}),
+        ("GET / HTTP/1.1\r\nX-Smuggled: 1\r\n\r\nGET", {}),
+    ],
+    ids=["crlf-in-value", "newline-in-value", "space-in-name", "method-with-a-request"],
+)
+async def test_a_header_or_method_that_would_smuggle_a_line_is_refused_before_anything_is_sent(
+    method: str, headers: dict[str, str]
+) -> None:
+    async with serving(send(OK)) as (server, client):
+        with pytest.raises(httpx.LocalProtocolError, match="illegal"):
+            await client.request(method, "/a", headers=headers)
+        assert server.connections == 0
+        assert (await client.get("/b")).text == "ok"
+
+
+@pytest.mark.parametrize("token", ["tnt_abc\n", "tnt abc", "tnt_\x00abc"], ids=["newline", "space", "nul"])
+def test_a_token_that_would_break_its_header_line_is_refused_naming_token_and_never_said(token: str) -> None:
+    for make in (
+        lambda: Client("http://127.0.0.1:1", token),
+        lambda: ControllerClient("http://127.0.0.1:1", token),
+    ):
+        with pytest.raises(InvalidInput, match=r"^token: ") as refused:
+            make()
+        assert refused.value.field == "token" and token.strip() not in str(refused.value)

@@ -19,7 +19,7 @@ import orjson
 
 from turnout.access import WORKER_SECRET_HEADER
 from turnout.errors import InvalidInput
-from turnout.tls import async_client, context_of
+from turnout.tls import async_client, bearer, context_of
 from turnout.worker.channel import Channel, ChannelUnavailable
 
 log = logging.getLogger("turnout.worker")
@@ -43,7 +43,7 @@ class ControllerClient:
         ca_cert: Path | None = None,
         channel: bool = True,
     ) -> None:
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        headers = bearer(token)
         # file transfers (`files.py`) share this client: the same connections, token and secret
         self.http = async_client(base_url=controller_url.rstrip("/"), headers=headers,
                                  timeout=httpx.Timeout(10.0, read=90.0), transport=transport,
