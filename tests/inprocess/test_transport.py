@@ -355,3 +355,15 @@ def test_a_token_that_would_break_its_header_line_is_refused_naming_token_and_ne
         with pytest.raises(InvalidInput, match=r"^token: ") as refused:
             make()
         assert refused.value.field == "token" and token.strip() not in str(refused.value)
+
+
+async def test_a_connection_idle_past_its_keep_alive_is_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        transport, "IDLE_S", 0.05
+    )  # 4 s, under uvicorn's 5: never reused as the server drops it
+    async with serving(send(OK)) as (server, client):
+        assert (await client.get("/a")).text == "ok"
+        assert (await client.get("/b")).text == "ok"
+        await asyncio.sleep(0.1)
+        assert (await client.get("/c")).text == "ok"
+        assert [r.connection for r in server.requests] == [0, 0, 1]
