@@ -80,11 +80,14 @@ class _Answer:
         self.body: list[bytes] = []
         self.head_done = False
         self.done = False
+        self.interim = False
         self.keep_alive = False
 
     def on_message_begin(self) -> None:
         if self.done:
             self.keep_alive = False
+        else:  # the first message, or the one after an interim answer (`100 Continue`), which is dropped
+            self.headers, self.body = [], []
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if not self.done:
@@ -93,16 +96,18 @@ class _Answer:
     def on_headers_complete(self) -> None:
         if self.parser is not None and not self.head_done:
             self.status = self.parser.get_status_code()
-            self.head_done = True
+            self.interim = 100 <= self.status < 200  # informational: the answer is still to come
+            self.head_done = not self.interim
 
     def on_body(self, chunk: bytes) -> None:
         if not self.done:
             self.body.append(chunk)
 
     def on_message_complete(self) -> None:
-        if self.parser is not None and not self.done:
+        if self.parser is not None and not self.done and not self.interim:
             self.done = True
             self.keep_alive = self.parser.should_keep_alive()
+        self.interim = False
 
     def ends_at_close(self) -> bool:
         """An answer with neither a length nor chunks: its body is whatever comes until the server closes."""

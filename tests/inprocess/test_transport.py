@@ -367,3 +367,14 @@ async def test_a_connection_idle_past_its_keep_alive_is_not_reused(monkeypatch: 
         await asyncio.sleep(0.1)
         assert (await client.get("/c")).text == "ok"
         assert [r.connection for r in server.requests] == [0, 0, 1]
+
+
+async def test_an_interim_answer_is_passed_over_for_the_answer_after_it() -> None:
+    async with serving(send(b"HTTP/1.1 100 Continue\r\n\r\n", OK, pause_s=0.01), send(OK)) as (
+        server,
+        client,
+    ):
+        resp = await client.post("/a", content=b"x")
+        assert (resp.status_code, resp.text) == (200, "ok")
+        assert (await client.get("/b")).text == "ok"
+        assert server.connections == 1
