@@ -52,7 +52,8 @@ def _head(request: httpx.Request) -> bytes:
         if not TOKEN.fullmatch(name) or NOT_IN_VALUES.search(value):  # the value unsaid: it may be a secret
             said = name.decode("latin-1")
             raise httpx.LocalProtocolError(
-                f"illegal header {said!r}: a line break in its name or value", request=request
+                f"illegal header {said!r}: a line break in its value, or a character no header name holds",
+                request=request,
             )
         lines.append(name + b": " + value)
     return b"\r\n".join(lines) + b"\r\n\r\n"
