@@ -138,7 +138,8 @@ class AsyncClient:
     """`rate_limit_wait_s`: how long in all a call waits out 429s (as Retry-After says) before raising RateLimited.
     `submit_window_s`: concurrent `submit()` calls this close together go as one batch (0: each on its own).
     `transport`: an httpx transport to send every call through instead of Turnout's own (`transport.py`), for
-    example `httpx.MockTransport` in a test of your code, or `httpx.AsyncHTTPTransport()` (httpx's own)."""
+    example `httpx.MockTransport` in a test of your code, or `httpx.AsyncHTTPTransport()` (httpx's own); its own
+    TLS settings apply, not `ca_cert`'s."""
 
     def __init__(
         self,
