@@ -173,7 +173,7 @@ class _Connection:
                     "Server disconnected without sending a response.", request=request
                 )
             if answer.ends_at_close():
-                answer.done = True
+                answer.done, answer.parser = True, None
                 return
             raise httpx.RemoteProtocolError(
                 "peer closed connection without sending complete message body", request=request

@@ -378,3 +378,11 @@ async def test_an_interim_answer_is_passed_over_for_the_answer_after_it() -> Non
         assert (resp.status_code, resp.text) == (200, "ok")
         assert (await client.get("/b")).text == "ok"
         assert server.connections == 1
+
+
+async def test_a_chunked_answer_that_came_whole_is_read_as_one_and_its_connection_reused() -> None:
+    whole = send(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n3\r\n!!!\r\n0\r\n\r\n")
+    async with serving(whole, send(OK)) as (server, client):
+        assert (await client.get("/a")).text == "ok!!!"
+        assert (await client.get("/b")).text == "ok"
+        assert server.connections == 1
