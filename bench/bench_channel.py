@@ -8,7 +8,7 @@ channel, ...); medians.
 
 Then the cost of one call on each road, apart from any task: a stand-in worker sends the same request (an
 empty lease poll that does not wait, an empty report, an empty event batch) CALLS times over HTTP (one
-keep-alive httpx client) and CALLS times over the channel, one at a time; the controller's CPU per call from
+keep-alive client made as the worker makes its own, over Turnout's transport) and CALLS times over the channel, one at a time; the controller's CPU per call from
 /proc, and the caller's own CPU per call beside it.
 
     python -m bench --only channel [--quick]      -> bench/results/channel.json
@@ -35,6 +35,7 @@ from bench.bench_throughput import _source_state
 from bench.common import Processes, TurnoutCluster
 from bench.peer_measure import own_cpu_s
 from bench.peer_report import row
+from turnout.tls import async_client
 
 MODES = {"channel": (), "http": ("--no-channel",)}
 COMPARED = ("bulk_tasks_per_s", "single_tasks_per_s", "p50_ms", "p99_ms", "cpu_ms_per_task")
@@ -88,7 +89,8 @@ async def _calls(cluster: TurnoutCluster, n: int) -> dict[str, Any]:
     for call, request in REQUESTS.items():
         data = orjson.dumps(request)
         headers = {**proof, "Content-Type": "application/json"}
-        async with httpx.AsyncClient(base_url=cluster.url, headers=headers) as http:
+        # the worker's own client (`tls.async_client`, over Turnout's transport), as its HTTP calls go
+        async with async_client(ca_cert=None, base_url=cluster.url, headers=headers) as http:
             post = functools.partial(_over_http, http, f"/v1/workers/{worker_id}/{call}", data)
             out[f"{call}_http"] = await _cost(post, controller, n)
         url = f"ws://127.0.0.1:{cluster.port}/v1/workers/{worker_id}/channel"
