@@ -35,6 +35,7 @@ MAX_CONNECTIONS = 100  # httpx's default limits
 MAX_IDLE = 20
 IDLE_S = 4.0  # under uvicorn's 5 s keep-alive: a connection is not reused as the server gives it up
 READ_BYTES = 65536
+MAX_HEAD_BYTES = 64 * 1024  # an answer's status line and headers; h11 stops at 16 KiB of an incomplete event
 TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # a method or a header name (RFC 9110)
 NOT_IN_VALUES = re.compile(rb"[\r\n\0]")  # what would end a header line early: a request smuggled in it
 Origin = tuple[str, str, int]  # scheme, host, port
@@ -80,6 +81,7 @@ class _Answer:
         self.headers: list[tuple[bytes, bytes]] = []
         self.body: list[bytes] = []
         self.head_done = False
+        self.head_bytes = 0  # read before the head was complete
         self.done = False
         self.interim = False
         self.keep_alive = False
@@ -188,6 +190,12 @@ class _Connection:
                 raise httpx.RemoteProtocolError(f"not an HTTP/1.1 answer: {exc}", request=request) from None
             # garbage after a complete answer: the answer stands, the connection is not reused
             answer.keep_alive = False
+        if not answer.head_done:
+            answer.head_bytes += len(data)
+            if answer.head_bytes > MAX_HEAD_BYTES:  # all read so far, and still no end of the head
+                raise httpx.RemoteProtocolError(
+                    f"the answer's headers run past {MAX_HEAD_BYTES // 1024} KiB", request=request
+                )
         if answer.done:
             answer.parser = None  # no cycle (parser <-> answer) left for the collector
 

@@ -386,3 +386,18 @@ async def test_a_chunked_answer_that_came_whole_is_read_as_one_and_its_connectio
         assert (await client.get("/a")).text == "ok!!!"
         assert (await client.get("/b")).text == "ok"
         assert server.connections == 1
+
+
+async def test_an_answer_whose_headers_never_end_is_refused_not_held_in_memory() -> None:
+    async def endless(request: Received, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\n")
+        for i in range(100_000):  # 2 MB of headers unless the client stops reading
+            writer.write(b"x-filler-%06d: %s\r\n" % (i, b"y" * 4))
+            if i % 1000 == 0:
+                await writer.drain()
+
+    async with serving(endless, send(OK)) as (server, client):
+        with pytest.raises(httpx.RemoteProtocolError, match="headers run past 64 KiB"):
+            await client.get("/a")
+        assert (await client.get("/b")).text == "ok"
+        assert server.connections == 2
