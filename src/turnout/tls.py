@@ -41,7 +41,7 @@ def tls_verify(ca_cert: Path | None) -> ssl.SSLContext:
 def bearer(token: str | None) -> dict[str, str]:
     """The `Authorization` header for `token` (none without one). A token that is not all visible ASCII (a stray
     newline from a file or a variable) is an InvalidInput naming `token`, never said back: it is a secret."""
-    if token is None or token == "":
+    if not token:
         return {}
     if not TOKEN_TEXT.fullmatch(token):
         raise InvalidInput("token: only visible ASCII characters, no spaces or line breaks (a stray newline "
