@@ -20,6 +20,7 @@ from turnout.errors import (
     Forbidden,
     InvalidInput,
     NotFound,
+    PayloadTooLarge,
     RateLimited,
     StorageFull,
     TurnoutError,
@@ -52,6 +53,9 @@ def fix_for(exc: TurnoutError) -> str:
         return "check the id; `turnout tasks` lists recent tasks (another tenant's tasks are not visible)"
     if isinstance(exc, RateLimited):
         return f"wait {exc.retry_after_s:g} s and retry"
+    if isinstance(exc, PayloadTooLarge):
+        return ("send less, or have the controller's operator raise the limit it names "
+                "(`turnout controller --request-limit NAME=VALUE`, or request_limits: in turnout.yaml)")
     if isinstance(exc, InvalidInput):
         return "see `turnout COMMAND --help` for the accepted values"
     if isinstance(exc, Conflict):

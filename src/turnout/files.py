@@ -190,7 +190,6 @@ async def _httpx_get(http: httpx.AsyncClient, path: str, params: dict[str, Any],
     return _Arrived(sink.size, sink.sha256, resp.headers.get(SHA256_HEADER, ""))
 
 
-_PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy")
 DIRECT_READ_TIMEOUT_S = 60.0
 HANDOFF_BYTES = 512 * 1024  # received bytes are handed to the writer in pieces of at least this much
 
@@ -213,7 +212,7 @@ def _direct_request(http: httpx.AsyncClient, path: str, params: dict[str, Any]) 
     url = http.base_url
     if context is None or url.scheme not in ("http", "https") or not url.host:
         return None
-    if any(os.environ.get(v) or os.environ.get(v.upper()) for v in _PROXY_VARS):
+    if tls.proxied_by_environment():
         return None
     target = httpx.URL(url.raw_path.decode("ascii").rstrip("/") + path, params=params)
     lines = [f"GET {target.raw_path.decode('ascii')} HTTP/1.1", f"Host: {url.netloc.decode('ascii')}",

@@ -3,13 +3,16 @@
 Workers and the CLI take `--ca-cert PATH` (the SDK `ca_cert=`, and `TURNOUT_CA_CERT` for all three), so a
 controller with a certificate from a private CA (`--tls-cert`, `--tls-key`) is verified, never trusted
 blindly. `async_client` makes the httpx client the SDK and the worker use (over `transport.py`), and remembers its TLS context,
-so a file download can stream over a connection of its own with the same trust (`files.download`).
+so a file download can stream over a connection of its own with the same trust (`files.download`). Where the
+environment names a proxy (`HTTPS_PROXY`, `HTTP_PROXY`, `ALL_PROXY`, with `NO_PROXY`), the client is httpx's own,
+which speaks to proxies as the environment says, and a download goes through it too.
 """
 
 from __future__ import annotations
 
 import re
 import ssl
+import urllib.request
 import weakref
 from pathlib import Path
 from typing import Any
@@ -53,12 +56,21 @@ def async_client(
     *, ca_cert: Path | None, transport: httpx.AsyncBaseTransport | None = None, **options: Any
 ) -> httpx.AsyncClient:
     """An httpx.AsyncClient trusting `ca_cert` (with `options` as httpx takes them), over `transport.py`'s
-    HTTP/1.1 transport unless given another."""
+    HTTP/1.1 transport unless given another, or a proxy is to be taken from the environment (httpx's then)."""
     context = tls_verify(ca_cert)
-    client = httpx.AsyncClient(verify=context, transport=transport or lean_transport(context), **options)
-    if transport is None:  # a stand-in transport (tests) is reached only through httpx
-        _contexts[client] = context
+    if transport is not None:  # a stand-in transport (tests): reached only through httpx, its trust unknown here
+        return httpx.AsyncClient(verify=context, transport=transport, **options)
+    proxied = options.get("trust_env", True) and proxied_by_environment()
+    client = httpx.AsyncClient(verify=context, transport=None if proxied else lean_transport(context), **options)
+    _contexts[client] = context
     return client
+
+
+def proxied_by_environment() -> bool:
+    """Whether httpx takes a proxy from the environment (as `urllib.request.getproxies` reads it, as httpx
+    does) for http or https: a client then needs httpx's own transport, which mounts it."""
+    proxies = urllib.request.getproxies()
+    return any(proxies.get(scheme) for scheme in ("http", "https", "all"))
 
 
 def context_of(client: httpx.AsyncClient) -> ssl.SSLContext | None:

@@ -89,6 +89,19 @@ def test_a_bad_line_in_a_batch_is_one_error_naming_file_and_line(demo: Cluster, 
     assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
 
 
+def test_an_input_past_the_controllers_limit_names_the_limit_and_how_to_raise_it(
+    demo: Cluster, tmp_path: Path
+) -> None:
+    inputs = tmp_path / "big.jsonl"
+    inputs.write_text(json.dumps({"s": "x" * (1024 * 1024)}) + "\n")
+    out = demo.cli("submit", "echo", "--inputs", str(inputs))
+    assert out.returncode == 2
+    last = out.stderr.splitlines()[-1]
+    assert last.startswith("error: tasks.0.input: ") and "limit 1 MiB (max_input_bytes)" in last
+    assert "fix: send less, or have the controller's operator raise the limit" in last
+    assert "--request-limit NAME=VALUE" in last and "Traceback" not in out.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "token", "says", "fix"),
     [

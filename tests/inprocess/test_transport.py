@@ -123,12 +123,54 @@ async def serving(*answers: Answer) -> AsyncIterator[tuple[Server, httpx.AsyncCl
         await listener.wait_closed()
 
 
-async def test_the_sdks_and_the_workers_clients_go_over_the_lean_transport() -> None:
+PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "no_proxy")
+
+
+@pytest.fixture
+def no_proxy_variables(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    return monkeypatch
+
+
+async def test_the_sdks_and_the_workers_clients_go_over_the_lean_transport(
+    no_proxy_variables: pytest.MonkeyPatch,
+) -> None:
     client = async_client(ca_cert=None, base_url="http://127.0.0.1:1")
     try:
         assert isinstance(client._transport, LeanTransport)
     finally:
         await client.aclose()
+
+
+@pytest.mark.parametrize("variable", ["HTTP_PROXY", "http_proxy", "ALL_PROXY"])
+async def test_a_proxy_the_environment_names_carries_every_call(
+    no_proxy_variables: pytest.MonkeyPatch, variable: str
+) -> None:
+    async with serving(send(OK)) as (proxy, to_proxy):  # the scripted server stands in for the proxy
+        no_proxy_variables.setenv(variable, str(to_proxy.base_url))
+        client = async_client(ca_cert=None, base_url="http://controller.invalid:8900")
+        try:
+            assert (await client.get("/v1/health")).text == "ok"
+        finally:
+            await client.aclose()
+    # the request went to the proxy, in the absolute form a proxy takes, for the controller the URL names
+    assert [r.path for r in proxy.requests] == [b"http://controller.invalid:8900/v1/health"]
+
+
+async def test_a_host_the_environment_exempts_from_its_proxy_is_reached_directly(
+    no_proxy_variables: pytest.MonkeyPatch,
+) -> None:
+    async with serving(send(OK)) as (server, direct):
+        no_proxy_variables.setenv("HTTP_PROXY", "http://127.0.0.1:1")  # nothing listens there
+        no_proxy_variables.setenv("NO_PROXY", "127.0.0.1")
+        client = async_client(ca_cert=None, base_url=str(direct.base_url))
+        try:
+            assert (await client.get("/v1/health")).text == "ok"
+        finally:
+            await client.aclose()
+    assert [r.path for r in server.requests] == [b"/v1/health"]
 
 
 def test_the_sdk_sends_every_call_through_a_transport_it_is_given() -> None:
