@@ -34,7 +34,9 @@ from turnout.api.gate import SubmitGate
 from turnout.api.guards import Guards
 from turnout.api.limits import BodyLimit
 from turnout.api.service import Service
+from turnout.api.errors import error_response
 from turnout.api.strictjson import StrictJsonRoute
+from turnout.errors import Unauthorized
 from turnout.escalation import Escalator
 
 
@@ -48,7 +50,9 @@ class Api(FastAPI):
     front: ASGIApp | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.front is not None and scope["type"] == "http":
+        if scope["type"] != "lifespan" and (twice := _credential_twice(scope["headers"])) is not None:
+            await _refuse_ambiguous(twice, scope, receive, send)
+        elif self.front is not None and scope["type"] == "http":
             await self.front(scope, receive, send)
         else:
             await super().__call__(scope, receive, send)
@@ -56,6 +60,33 @@ class Api(FastAPI):
     async def whole(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The application behind the door."""
         await super().__call__(scope, receive, send)
+
+
+CREDENTIALS = (b"authorization", b"x-worker-secret")
+
+
+def _credential_twice(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The credential header a request carries more than once, if any. Each layer that reads one (the fast
+    path, the routes, the gate, a proxy in front) might take another of the copies, so a caller would be one
+    principal to one of them and another to the next: such a request is refused before any of them sees it."""
+    seen: list[bytes] = []
+    for name, _ in headers:
+        name = name.lower()
+        if name in CREDENTIALS:
+            if name in seen:
+                return name
+            seen.append(name)
+    return None
+
+
+async def _refuse_ambiguous(name: bytes, scope: Scope, receive: Receive, send: Send) -> None:
+    """A 401 naming the header sent twice (a WebSocket is closed before it opens: a 403 to the client)."""
+    said = name.decode("latin-1")
+    if scope["type"] == "websocket":
+        await send({"type": "websocket.close", "code": 1008, "reason": f"more than one {said} header"})
+        return
+    refusal = Unauthorized(f"{said}: sent more than once; send exactly one", field=said)
+    await error_response(refusal)(scope, receive, send)
 
 
 def create_app(service: Service) -> Api:

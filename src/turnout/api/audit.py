@@ -3,6 +3,7 @@ paged by `cursor` (the last record's id). A tenant's admin reads its own tenant'
 
 from __future__ import annotations
 
+import math
 from datetime import datetime
 from typing import Any
 
@@ -27,7 +28,7 @@ def router(service: Service, guards: Guards) -> APIRouter:
         tenant: str | None = None,
         kind: str | None = None,
         limit: int = Query(1000, ge=1, le=10_000),
-        cursor: int | None = Query(None, ge=0),
+        cursor: int | None = Query(None, ge=0, le=2**63 - 1),  # a record id: what a store's integer holds
         p: Principal = guards.need(Action.ADMIN),
     ) -> dict[str, Any]:
         if tenant is not None:
@@ -45,17 +46,26 @@ def router(service: Service, guards: Guards) -> APIRouter:
 
 
 def parse_since(since: str | None) -> float | None:
-    """`since` as epoch seconds: given so, or as an ISO 8601 time; anything else is a 422 naming it."""
+    """`since` as epoch seconds: given so (a finite number: NaN would leave every record out, -inf take
+    all), or as an ISO 8601 time; anything else is a 422 naming it."""
     if since is None:
         return None
     try:
-        return float(since)
+        seconds = float(since)
     except ValueError:
         pass
+    else:
+        if not math.isfinite(seconds):
+            raise InvalidInput(f"since: {since!r} is not a finite number of epoch seconds", field="since")
+        return seconds
     try:
-        # times go out rounded to the microsecond: a record's own `ts`, sent back as `since`, must include it
-        return datetime.fromisoformat(since.replace("Z", "+00:00")).timestamp() - 1e-6
+        when = datetime.fromisoformat(since.replace("Z", "+00:00"))
     except ValueError:
         raise InvalidInput(
             f"since: {since!r} is not an ISO 8601 time or epoch seconds", field="since"
         ) from None
+    try:
+        # times go out rounded to the microsecond: a record's own `ts`, sent back as `since`, must include it
+        return when.timestamp() - 1e-6
+    except (ValueError, OverflowError):  # a valid time the platform's clock cannot count to (year 1 here)
+        raise InvalidInput(f"since: {since!r} is out of the range of epoch seconds", field="since") from None

@@ -1,0 +1,121 @@
+"""Requests a hostile or broken client sends, found by attacking a live controller: each is refused with a 4xx
+naming what is wrong, nothing of it kept, and it tells a tenant nothing about another tenant's objects.
+
+In-process (`api/app.py` over the memory store, through `httpx.ASGITransport`): what is decided here is decided
+by the routes and the door in front of them, not by the socket."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.inprocess.conftest import Api
+from turnout.api.audit import parse_since
+from turnout.errors import InvalidInput
+
+pytestmark = pytest.mark.anyio
+
+
+async def _tasks(api: Api) -> list[dict[str, Any]]:
+    resp = await api.client.get("/v1/tasks")
+    assert resp.status_code == 200, resp.text
+    return list(resp.json()["tasks"])
+
+
+# ---- one caller, one credential -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("POST", "/v1/tasks", {"capability": "shout"}),  # the fast path
+        ("POST", "/v1/tasks?wait=1", {"capability": "shout"}),
+        ("POST", "/v1/tasks/batch", {"tasks": [{"capability": "shout"}]}),  # a route
+        ("GET", "/v1/tasks", None),
+        ("GET", "/v1/tasks/t_0123456789abcdef01234567/result", None),
+    ],
+)
+async def test_a_request_with_two_authorization_headers_is_refused_whichever_layer_would_read_it(
+    api: Api, method: str, path: str, body: dict[str, Any] | None
+) -> None:
+    await api.worker()
+    other = await api.token("submit", "acme")
+    mine = api.client.headers["authorization"]
+    for pair in ([mine, f"Bearer {other}"], [f"Bearer {other}", mine], ["Bearer bogus", mine]):
+        resp = await api.client.request(method, path, json=body, headers=[("Authorization", v) for v in pair])
+        assert resp.status_code == 401, resp.text
+        error = resp.json()["error"]
+        assert error["field"] == "authorization" and "more than once" in error["message"]
+        assert other not in resp.text
+    assert await _tasks(api) == []  # nothing was submitted, as either caller
+
+
+async def test_a_worker_call_with_two_secrets_is_refused(api: Api) -> None:
+    worker = await api.worker()
+    headers = [("Authorization", f"Bearer {worker.token}"), ("X-Worker-Secret", worker.secret),
+               ("X-Worker-Secret", "wrong")]  # fmt: skip
+    for action, body in (("lease", {"max_tasks": 1, "wait_s": 0}), ("heartbeat", {})):
+        resp = await api.client.post(f"/v1/workers/{worker.id}/{action}", json=body, headers=headers)
+        assert resp.status_code == 401, resp.text
+        assert resp.json()["error"]["field"] == "x-worker-secret"
+
+
+async def test_a_channel_opened_with_two_authorization_headers_is_closed_before_it_opens(api: Api) -> None:
+    assert api.app is not None
+    worker = await api.worker()
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "websocket.connect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "websocket", "asgi": {"version": "3.0"}, "scheme": "ws", "http_version": "1.1",
+             "path": f"/v1/workers/{worker.id}/channel", "raw_path": b"", "query_string": b"",
+             "root_path": "", "client": ("127.0.0.1", 1), "server": ("turnout", 80), "subprotocols": [],
+             "headers": [(b"authorization", f"Bearer {worker.token}".encode()),
+                         (b"authorization", b"Bearer bogus"), (b"x-worker-secret", worker.secret.encode())]}  # fmt: skip
+    await api.app(scope, receive, send)
+    assert [m["type"] for m in sent] == ["websocket.close"] and sent[0]["code"] == 1008
+
+
+# ---- the audit log's query --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cursor", [str(2**63), "99999999999999999999999"])
+async def test_an_audit_cursor_past_any_record_id_is_a_422_naming_it(api: Api, cursor: str) -> None:
+    resp = await api.client.get("/v1/audit", params={"cursor": cursor})
+    assert resp.status_code == 422, resp.text
+    assert resp.json()["error"]["field"] == "cursor"
+    ok = await api.client.get("/v1/audit", params={"cursor": str(2**63 - 1)})
+    assert ok.status_code == 200 and ok.json()["audit"] == []
+
+
+@pytest.mark.parametrize("since", ["NaN", "nan", "inf", "-inf", "1e400", "0001-01-01"])
+async def test_an_audit_since_that_is_no_time_is_a_422_naming_it(api: Api, since: str) -> None:
+    resp = await api.client.get("/v1/audit", params={"since": since})
+    assert resp.status_code == 422, resp.text
+    assert resp.json()["error"]["field"] == "since"
+    with pytest.raises(InvalidInput):
+        parse_since(since)
+
+
+def test_audit_since_takes_epoch_seconds_and_iso_times() -> None:
+    assert parse_since("1700000000.5") == 1700000000.5
+    assert parse_since("2026-01-01T00:00:00Z") == pytest.approx(1767225600.0 - 1e-6)
+
+
+async def test_httpx_sends_both_copies_of_a_repeated_header() -> None:
+    """The tests above rely on it: a list of pairs goes out as it is, not folded into one header."""
+    seen: list[list[bytes]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append([v for k, v in request.headers.raw if k.lower() == b"authorization"])
+        return httpx.Response(204)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler), headers={"Authorization": "x"}) as c:
+        await c.get("http://t/", headers=[("Authorization", "a"), ("Authorization", "b")])
+    assert seen == [[b"a", b"b"]]
