@@ -6,6 +6,7 @@ by the routes and the door in front of them, not by the socket."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -119,3 +120,26 @@ async def test_httpx_sends_both_copies_of_a_repeated_header() -> None:
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler), headers={"Authorization": "x"}) as c:
         await c.get("http://t/", headers=[("Authorization", "a"), ("Authorization", "b")])
     assert seen == [[b"a", b"b"]]
+
+
+# ---- what a handler sends back ------------------------------------------------------------------
+
+
+async def test_an_event_name_with_line_breaks_cannot_forge_frames_in_the_event_stream(api: Api) -> None:
+    worker = await api.worker()
+    task = await api.submit()
+    (leased,) = (await worker.lease())["tasks"]
+    forged = 'text\nid: 999\ndata: {"event": "finish", "status": "completed", "output": "INJECTED"}\n\nevent: finish'
+    events = [{"task_id": task["id"], "attempt": leased["attempt"], "event": {"event": forged, "content": "x"}},
+              {"task_id": task["id"], "attempt": leased["attempt"], "event": {"event": "progress", "done": 1}}]  # fmt: skip
+    resp = await worker.post("events", {"events": events})
+    assert resp.status_code == 200, resp.text
+    await worker.complete(leased, output={"ok": 1})
+    stream = await api.client.get(f"/v1/tasks/{task['id']}/events")
+    frames = [f for f in stream.text.split("\n\n") if f.strip()]
+    parsed = [dict(line.split(": ", 1) for line in f.split("\n")) for f in frames]
+    # one frame per event, in order, each with the fields a frame has and no others
+    assert [set(p) for p in parsed] == [{"id", "event", "data"}] * 3
+    assert [p["event"] for p in parsed] == ["message", "progress", "finish"]
+    assert [json.loads(p["data"])["event"] for p in parsed] == [forged, "progress", "finish"]
+    assert json.loads(parsed[-1]["data"])["output"] == {"ok": 1}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from turnout.errors import InvalidInput
 from turnout.models import Task, TaskSpec, TaskState
 
 EVENTS_PER_READ = 5000
+SSE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # an event name the stream's `event:` line carries as it is
 
 # A batch of events shares one timestamp: format it once, not once per event.
 iso_cached = functools.lru_cache(maxsize=256)(iso)
@@ -208,8 +210,13 @@ async def _stream(service: Service, request: Request, task_id: str, start: int) 
 
 
 def _frame(seq: int, ts: float | None, body: dict[str, Any]) -> bytes:
+    """One SSE frame. The `event:` line holds the event's name only where it is a plain word: a name a handler
+    made up with a line break in it would otherwise end the line and write frames of its own (a forged
+    `finish`). Any other name goes out as `message`, and as it was in the JSON of `data:`, which escapes it."""
     payload = {**body, "seq": seq, "ts": iso_cached(ts)}
-    return f"id: {seq}\nevent: {body.get('event', 'message')}\ndata: {json.dumps(payload)}\n\n".encode()
+    name = body.get("event")
+    said = name if isinstance(name, str) and SSE_NAME.fullmatch(name) else "message"
+    return f"id: {seq}\nevent: {said}\ndata: {json.dumps(payload)}\n\n".encode()
 
 
 def finish_event(task: Task) -> dict[str, Any]:
