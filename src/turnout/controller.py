@@ -189,8 +189,8 @@ class Controller:
         patient = list(waits_for_capacity) if waits_for_capacity is not None else [False] * len(specs)
         for spec, prefix, waits in zip(specs, where, patient, strict=True):
             if not waits:
-                self._check_known(spec.capability, f"{prefix}capability", tenant)
-        self._check_files(tenant, specs, where)
+                self.check_known(spec.capability, f"{prefix}capability", tenant)
+        self.check_files(tenant, [(prefix, spec.input) for spec, prefix in zip(specs, where, strict=True)])
         now = self.clock()
         tasks = [
             Task(
@@ -211,7 +211,8 @@ class Controller:
         if self._queued_tenants is not None:
             self._queued_tenants[1].add(tenant)
 
-    def _check_known(self, capability: str, field_name: str, tenant: str) -> None:
+    def check_known(self, capability: str, field_name: str, tenant: str) -> None:
+        """A capability some worker this tenant may use registered, or an InvalidInput naming `field_name`."""
         if capability in self._known:
             return
         self._known = self.store.known_capabilities()  # another controller may have met a new worker
@@ -235,10 +236,11 @@ class Controller:
         return {v.capability for w in self.store.list_workers(include_gone=True)
                 if worker_serves(serves.get(w.id, ALL_TENANTS), tenant) for v in w.variants}  # fmt: skip
 
-    def _check_files(self, tenant: str, specs: Sequence[TaskSpec], where: Sequence[str]) -> None:
-        """Every `{"$file": ID}` in the inputs names a file of this tenant (another tenant's is not there)."""
-        refs = [(f"{prefix}{path}", file_id) for spec, prefix in zip(specs, where, strict=True)
-                for path, file_id in refs_in(spec.input)]  # fmt: skip
+    def check_files(self, tenant: str, inputs: Sequence[tuple[str, Any]]) -> None:
+        """Every `{"$file": ID}` in these inputs (each with the prefix of its field: `tasks.3.`) names a file of
+        this tenant (another tenant's is not there), or an InvalidInput naming where it is referred to."""
+        refs = [(f"{prefix}{path}", file_id) for prefix, value in inputs
+                for path, file_id in refs_in(value)]  # fmt: skip
         if not refs:
             return
         owned = self.store.files.owned({file_id for _, file_id in refs}, tenant)

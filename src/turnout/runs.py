@@ -127,7 +127,8 @@ class PipelineRuns:
             raise InvalidInput("input: a pipeline run's input is a JSON object (stages add their outputs to it)",
                                field="input")  # fmt: skip
         for i, stage in enumerate(pipeline.stages):
-            self.ctrl._check_known(stage.capability, f"pipelines.{name}.stages.{i}.capability", tenant)
+            self.ctrl.check_known(stage.capability, f"pipelines.{name}.stages.{i}.capability", tenant)
+        self.ctrl.check_files(tenant, [("", run_input)])  # every stage's input holds the run's
         now = self.ctrl.clock()
         run = PipelineRun(id=run_id or new_id("r_"), tenant=tenant, pipeline=name, state=RunState.RUNNING,
                           input=dict(run_input), gpu=gpu, stages=pipeline.stages, task_ids=(), created_at=now)  # fmt: skip

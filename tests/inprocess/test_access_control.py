@@ -488,3 +488,55 @@ def test_a_tenant_sees_and_cancels_its_own_pipeline_runs_only(tenants: Tenants) 
     audit = tenants.call(tenants.token("acme-admin"), "GET", "/v1/audit", params={"kind": "task_cancelled"})
     by = {r["task"]: r["by"] for r in audit.json()["audit"]}
     assert by[cancelled["stages"][0]["task_id"]] == tenants.tokens["acme-submit"]["id"]
+
+
+def test_a_pipeline_run_naming_another_tenants_file_is_refused_as_an_unknown_file_is(tenants: Tenants) -> None:
+    theirs, mine = tenants.file("globex"), tenants.file("acme")
+    submitter = tenants.token("acme-submit")
+    answers = []
+    for file_id in (theirs, "f_" + "0" * 28):
+        resp = tenants.call(submitter, "POST", "/v1/pipelines/probe/runs",
+                            json={"input": {"doc": {"$file": file_id}}})  # fmt: skip
+        assert resp.status_code == 422, resp.text
+        assert resp.json()["error"]["field"] == "input.doc"
+        answers.append(resp.json()["error"]["message"].replace(file_id, "ID"))
+    assert answers[0] == answers[1]  # another tenant's file is answered as no file at all
+    ok = tenants.call(submitter, "POST", "/v1/pipelines/probe/runs", json={"input": {"doc": {"$file": mine}}})
+    assert ok.status_code == 201, ok.text
+
+
+def test_recording_another_tenants_shared_file_is_answered_as_an_unknown_id(tenants: Tenants) -> None:
+    theirs, mine = tenants.file("globex"), tenants.file("acme")
+    submitter = tenants.token("acme-submit")
+
+    def answer(file_id: str) -> tuple[int, str]:
+        resp = tenants.call(submitter, "POST", "/v1/files/shared", json={"id": file_id})
+        return resp.status_code, resp.json()["error"]["message"].replace(file_id, "ID")
+
+    assert answer(theirs) == answer("f_" + "1" * 28) and answer(theirs)[0] == 422
+    assert answer(mine)[0] == 409  # its own: already recorded, as it says
+
+
+def test_a_workers_file_routes_answer_another_tenants_task_as_an_unknown_one(tenants: Tenants) -> None:
+    worker, secret = tenants.worker(tenants.token("acme-worker"))
+    theirs = tenants.task("globex")
+    headers = {"X-Worker-Secret": secret}
+    token = tenants.token("acme-worker")
+    unknown = "t_0123456789abcdef01234567"
+
+    def answers(task_id: str) -> list[tuple[int, str]]:
+        calls = [
+            ("POST", f"/v1/workers/{worker}/files", {"content": b"x", "params": {"task": task_id, "attempt": 1},
+                                                     "headers": {**headers, "Content-Type": "application/octet-stream"}}),
+            ("POST", f"/v1/workers/{worker}/files/shared",
+             {"json": {"id": "f_" + "2" * 28}, "params": {"task": task_id, "attempt": 1}, "headers": headers}),
+            ("GET", f"/v1/workers/{worker}/files/{'f_' + '3' * 28}", {"params": {"task": task_id}, "headers": headers}),
+        ]  # fmt: skip
+        out = []
+        for method, path, kwargs in calls:
+            resp = tenants.call(token, method, path, **kwargs)
+            out.append((resp.status_code, resp.text.replace(task_id, "ID")))
+        return out
+
+    assert answers(theirs) == answers(unknown)
+    assert [status for status, _ in answers(theirs)] == [404, 404, 404]

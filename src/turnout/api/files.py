@@ -40,7 +40,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.types import Receive, Scope, Send
 
-from turnout.access import Action, Principal
+from turnout.access import Action, Principal, worker_serves
 from turnout.api.guards import Guards
 from turnout.api.schemas import Strict, iso
 from turnout.api.service import STORAGE_RETRY_AFTER_S, Service
@@ -101,9 +101,14 @@ def router(service: Service, guards: Guards) -> APIRouter:
     api = APIRouter(route_class=StrictJsonRoute)
     limits = settings.request_limits
 
-    async def held_task(worker_id: str, task_id: str, attempt: int | None) -> Task:
-        """The task, if this worker holds it now (and, given `attempt`, runs that attempt); else Conflict."""
+    async def held_task(me: WorkerCredential, task_id: str, attempt: int | None) -> Task:
+        """The task, if this worker holds it now (and, given `attempt`, runs that attempt); else Conflict. A task
+        of a tenant the worker does not serve is not found, as an unknown id is: a worker learns nothing of
+        other tenants' ids."""
+        worker_id = me.worker_id
         task = await _task(service, task_id)
+        if not worker_serves(me.tenant, task.tenant):
+            raise NotFound(f"task {task_id} not found", field="task")
         if task.state not in ACTIVE_STATES or task.worker_id != worker_id:
             raise Conflict(f"task {task_id} is not running on worker {worker_id}", field="task")
         if attempt is not None and task.attempts != attempt:
@@ -161,13 +166,19 @@ def router(service: Service, guards: Guards) -> APIRouter:
         """Record a file whose bytes were written into `objects/<id>` of the shared storage directly."""
         if not FILE_ID.match(body.id):
             raise InvalidInput(f"id: {body.id!r} is not a file id (f_ and 28 hex digits)", field="id")
-        if await service.read(ctrl.file_record, body.id) is not None:
-            raise Conflict(f"id: file {body.id} is already recorded", field="id")
+        missing = InvalidInput(f"id: no file {body.id} in this controller's storage; is --storage the same "
+                               "shared directory on the controller and the worker?", field="id")  # fmt: skip
+        recorded = await service.read(ctrl.file_record, body.id)
+        if recorded is not None:  # another tenant's is answered as no file at all: its id tells nothing
+            raise (
+                Conflict(f"id: file {body.id} is already recorded", field="id")
+                if recorded.tenant == tenant
+                else missing
+            )
         try:
             size, digest = await _blocking(_hash_file, blobs, body.id)
         except FileNotFoundError:
-            raise InvalidInput(f"id: no file {body.id} in this controller's storage; is --storage the same "
-                               "shared directory on the controller and the worker?", field="id") from None  # fmt: skip
+            raise missing from None
         if size > limits.max_file_bytes:
             await _blocking(blobs.remove, body.id)
             raise InvalidInput(
@@ -241,7 +252,7 @@ def router(service: Service, guards: Guards) -> APIRouter:
         me: WorkerCredential = this_worker,
     ) -> Any:
         """An output of the attempt this worker runs; the file belongs to the task's tenant."""
-        held = await held_task(worker_id, task, attempt)
+        held = await held_task(me, task, attempt)
         return await receive(request, held.tenant, name, held.id)
 
     @api.post("/v1/workers/{worker_id}/files/shared", status_code=201)
@@ -252,7 +263,7 @@ def router(service: Service, guards: Guards) -> APIRouter:
         attempt: int = Query(..., ge=1, le=2**31 - 1),
         me: WorkerCredential = this_worker,
     ) -> Any:
-        held = await held_task(worker_id, task, attempt)
+        held = await held_task(me, task, attempt)
         return await record_shared(body, held.tenant, held.id)
 
     @api.get("/v1/workers/{worker_id}/files/{file_id}")
@@ -266,8 +277,11 @@ def router(service: Service, guards: Guards) -> APIRouter:
     ) -> Any:
         """A file the task this worker holds names in its input; any other answers 404."""
         try:
-            held = await held_task(worker_id, task, None)
-        except Conflict:
+            held = await held_task(me, task, None)
+        except (
+            Conflict,
+            NotFound,
+        ):  # whichever the task is (another's, unknown, not held): the file is not here
             raise NotFound(f"file {file_id} not found", field="id") from None
         record = await visible_file(file_id, held.tenant)
         if file_id not in {fid for _, fid in refs_in(held.spec.input)}:
