@@ -490,7 +490,9 @@ def test_a_tenant_sees_and_cancels_its_own_pipeline_runs_only(tenants: Tenants) 
     assert by[cancelled["stages"][0]["task_id"]] == tenants.tokens["acme-submit"]["id"]
 
 
-def test_a_pipeline_run_naming_another_tenants_file_is_refused_as_an_unknown_file_is(tenants: Tenants) -> None:
+def test_a_pipeline_run_naming_another_tenants_file_is_refused_as_an_unknown_file_is(
+    tenants: Tenants,
+) -> None:
     theirs, mine = tenants.file("globex"), tenants.file("acme")
     submitter = tenants.token("acme-submit")
     answers = []

@@ -7,12 +7,13 @@ by the routes and the door in front of them, not by the socket."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.inprocess.conftest import Api
+from tests.inprocess.conftest import Api, Served
 from turnout.api.audit import parse_since
 from turnout.errors import InvalidInput
 
@@ -143,3 +144,36 @@ async def test_an_event_name_with_line_breaks_cannot_forge_frames_in_the_event_s
     assert [p["event"] for p in parsed] == ["message", "progress", "finish"]
     assert [json.loads(p["data"])["event"] for p in parsed] == [forged, "progress", "finish"]
     assert json.loads(parsed[-1]["data"])["output"] == {"ok": 1}
+
+
+# ---- uploads ----------------------------------------------------------------------------------------
+
+PART = b'--XX\r\nContent-Disposition: form-data; name="file"; filename="t.bin"\r\nContent-Type: application/octet-stream\r\n\r\n'
+
+
+@pytest.mark.parametrize(
+    "body",
+    [PART + b"HELLO-PARTIAL-DATA", PART + b"HELLO\r\n--XX", PART + b"HELLO\r\n--XX-", PART],
+    ids=["mid-data", "no-final-dashes", "one-dash", "headers-only"],
+)
+def test_a_multipart_upload_cut_short_is_refused_and_nothing_kept(
+    served: Served, tmp_path: Path, body: bytes
+) -> None:
+    resp = served.call("POST", "/v1/files", content=body,
+                       headers={"Content-Type": "multipart/form-data; boundary=XX"})  # fmt: skip
+    assert resp.status_code == 422, resp.text
+    assert resp.json()["error"]["field"] == "body" and "closing boundary" in resp.json()["error"]["message"]
+    objects = tmp_path / "home" / "files" / "objects"
+    assert not objects.exists() or list(objects.iterdir()) == []
+    whole = served.call("POST", "/v1/files", content=PART + b"HELLO\r\n--XX--\r\n",
+                        headers={"Content-Type": "multipart/form-data; boundary=XX"})  # fmt: skip
+    assert whole.status_code == 201, whole.text
+    assert whole.json()["size"] == 5 and whole.json()["name"] == "t.bin"
+
+
+def test_a_multipart_filename_with_a_nul_is_refused_as_a_name_with_one_is(served: Served) -> None:
+    body = PART.replace(b"t.bin", b"a\x00b.bin") + b"HELLO\r\n--XX--\r\n"
+    resp = served.call("POST", "/v1/files", content=body,
+                       headers={"Content-Type": "multipart/form-data; boundary=XX"})  # fmt: skip
+    assert resp.status_code == 422, resp.text
+    assert resp.json()["error"]["field"] == "file"

@@ -35,7 +35,7 @@ from typing import Any, BinaryIO, TypeVar
 import anyio
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
-from python_multipart.multipart import MultipartParser, parse_options_header
+from python_multipart.multipart import MultipartParser, MultipartState, parse_options_header
 from starlette.requests import ClientDisconnect
 from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.types import Receive, Scope, Send
@@ -372,17 +372,17 @@ async def _receive_multipart(
     parser = MultipartParser(boundary, {"on_part_begin": on_part_begin, "on_header_field": on_header_field,
                                         "on_header_value": on_header_value, "on_header_end": on_header_end,
                                         "on_headers_finished": on_headers_finished, "on_part_data": on_part_data})  # fmt: skip
-    pending = 0
     async for chunk in request.stream():
         try:
             parser.write(chunk)
         except Exception as exc:  # python-multipart's parse errors
             raise InvalidInput(f"body: not a multipart/form-data body ({exc})", field="body") from None
-        pending += sum(len(p) for p in pieces)
-        if pending >= CHUNK_BYTES:
+        if sum(len(p) for p in pieces) >= CHUNK_BYTES:
             await _blocking(writer.write, b"".join(pieces))
             pieces.clear()
-            pending = 0
+    if parser.state is not MultipartState.END:  # no closing boundary: a body cut short is not a whole file
+        raise InvalidInput(f"body: the multipart body ends before its closing boundary (--{boundary.decode('latin-1')}--); "
+                           "was the upload cut short?", field="body")  # fmt: skip
     if pieces:
         await _blocking(writer.write, b"".join(pieces))
     if state["files"] == 0:
@@ -390,6 +390,8 @@ async def _receive_multipart(
     if state["files"] > 1:
         raise InvalidInput("file: one file per upload", field="file")
     result: str | None = state["name"]
+    if result is not None and "\x00" in result:  # as `?name=` refuses one: no store's text holds it
+        raise InvalidInput("file: its filename holds a NUL character", field="file")
     return result
 
 
