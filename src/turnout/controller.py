@@ -153,6 +153,13 @@ class Controller:
         self.clock = clock
         self._fleet_cache: tuple[float, dict[str, Worker]] | None = None
         self._known: set[str] = set()  # capabilities known to be registered; re-read from the store on a miss
+        self._known_for: dict[
+            str, frozenset[str]
+        ] = {}  # per tenant: those a worker that may serve it registered
+        self._serves: Mapping[
+            str, str
+        ] = {}  # worker id -> whom it serves: a credential never changes once written
+        self._serves_read: set[str] = set()  # the workers `_serves` was read with (some have no credential)
         # No worker is judged silent within three heartbeats of this moment: after a controller restart (or
         # an outage), workers get their full allowance to reach it again before their work is re-queued.
         self.started_at = clock()
@@ -212,15 +219,20 @@ class Controller:
             self._queued_tenants[1].add(tenant)
 
     def check_known(self, capability: str, field_name: str, tenant: str) -> None:
-        """A capability some worker this tenant may use registered, or an InvalidInput naming `field_name`."""
-        if capability in self._known:
+        """A capability some worker this tenant may use registered, or an InvalidInput naming `field_name`.
+        One only another tenant's private workers registered is answered as one nobody did: the tenant learns
+        nothing of it, and its task would wait for workers that never take it."""
+        if capability in self._known_for.get(tenant, ()):
             return
-        self._known = self.store.known_capabilities()  # another controller may have met a new worker
-        if capability in self._known:
-            return
-        # the hint names only what workers this tenant may use registered: another tenant's private
-        # capabilities are not this tenant's to learn (read only here, on the way to a 422)
-        names = sorted(self._known & self._capabilities_for(tenant))
+        if capability not in self._known:
+            self._known = self.store.known_capabilities()  # another controller may have met a new worker
+        mine = self._capabilities_for(tenant) & self._known if capability in self._known else None
+        if mine is not None:
+            self._known_for[tenant] = frozenset(mine)
+            if capability in mine:
+                return
+        # the hint names only what workers this tenant may use registered (read only here, on the way to a 422)
+        names = sorted(mine if mine is not None else self._known & self._capabilities_for(tenant))
         close = difflib.get_close_matches(capability, names, n=3, cutoff=0.6)
         hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
         known = f" (known: {', '.join(names[:20])})" if names and not close else ""
@@ -354,6 +366,14 @@ class Controller:
         self._fleet_cache = None
         self._requeue_lost(self.store.active_tasks([worker_id], inputs=False), "worker left")
 
+    def serves_of(self, workers: Sequence[Worker]) -> Mapping[str, str]:
+        """Whom each of these workers serves (one absent: every tenant). Read again only when one of them was
+        not there at the last read: a lease asks for it far more often than a worker registers."""
+        if any(w.id not in self._serves_read for w in workers):
+            self._serves = self.store.worker_tenants()
+            self._serves_read = set(self._serves) | {w.id for w in workers}
+        return self._serves
+
     def worker_tenant(self, worker_id: str) -> str | None:
         """The tenant a worker serves, for its audit records; None for a shared pool (the operator's)."""
         cred = self.store.get_worker_credential(worker_id)
@@ -383,6 +403,8 @@ class Controller:
         """Drop what was read inside a transaction that was then lost: it may describe rows that never were."""
         self._fleet_cache = None
         self._known = set()  # re-read on the next miss
+        self._known_for = {}
+        self._serves, self._serves_read = {}, set()
         self._queued_tenants = None
         self.runs.forget_kept()
 
@@ -1029,15 +1051,18 @@ class Controller:
         only tasks with a retry history (a routing record: GPUs to avoid) are judged one by one.
         """
         failed: list[str] = []
+        serves = self.serves_of(healthy)
         for kind in self.store.queued_kinds():
             sample = self.store.get_task(kind.sample_id)
             if sample is None:
                 continue
-            ok = servable(sample.spec.gpu, placement.cluster_view(healthy, sample))
-            failed += self.store.mark_servable(kind, ok, now, _no_capacity(sample))
+            view = placement.cluster_view(placement.serving(healthy, serves, kind.tenant), sample)
+            failed += self.store.mark_servable(
+                kind, servable(sample.spec.gpu, view), now, _no_capacity(sample)
+            )
         updates: list[Change] = []
         for t in self.store.queued_unusual():
-            ok = servable(t.spec.gpu, placement.cluster_view(healthy, t))
+            ok = servable(t.spec.gpu, placement.cluster_view(placement.serving(healthy, serves, t.tenant), t))
             since = t.unservable_since
             if ok and since is not None:
                 updates.append((t.id, (TaskState.QUEUED,), t.attempts, {"unservable_since": None}))
@@ -1313,7 +1338,7 @@ class _LeaseReads:
         return self.ctrl.gpu_allocations.wait_s(tenant, n)
 
     def worker_tenants(self) -> Mapping[str, str]:
-        return self.ctrl.store.worker_tenants()
+        return self.ctrl.serves_of(self.healthy)
 
     def auto_fleet(self) -> profiles.Fleet:
         stats = self.ctrl.store.task_stats((TaskState.QUEUED, *ACTIVE))

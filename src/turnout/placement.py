@@ -285,6 +285,11 @@ def try_gpu(room: Room, res: Resources, task: Task) -> GpuGrant | None:
                     room.usage, room.strategy)  # fmt: skip
 
 
+def serving(workers: Sequence[Worker], serves: Mapping[str, str], tenant: str) -> list[Worker]:
+    """Those of `workers` that may serve `tenant` (`serves`: whom each serves; a worker not in it, every tenant)."""
+    return [w for w in workers if worker_serves(serves.get(w.id, ALL_TENANTS), tenant)]
+
+
 def cluster_view(workers: Sequence[Worker], task: Task) -> ClusterView:
     """What these workers could serve for `task` if they were idle (for routing and `no_capacity`)."""
     gpu_possible = cpu_possible = False
@@ -454,7 +459,7 @@ class Facts:
     limits: LimitsTable = field(default_factory=LimitsTable)
     granted: dict[str, int] = field(default_factory=dict)  # GPU grants planned in this request, per tenant
     planned_gpus: dict[str, float] = field(default_factory=dict)  # GPUs those grants hold, per tenant
-    _views: dict[tuple[str, str, str], ClusterView] = field(default_factory=dict)
+    _views: dict[tuple[str, str, str, str], ClusterView] = field(default_factory=dict)
     _gpu_use: Mapping[str, float] | None = None
     _auto: profiles.Fleet | None = None
     _fleet: Fleet | None = None
@@ -462,11 +467,18 @@ class Facts:
     _gpu_workers: frozenset[str] | None = None
 
     def cluster(self, task: Task) -> ClusterView:
-        key = view_key(task)
+        """What the workers that may serve the task's tenant could do for it: another tenant's private worker
+        is no reason to wait for a GPU, nor to keep a task queued that none of its own can run."""
+        key = (task.tenant, *view_key(task))
         view = self._views.get(key)
         if view is None:
-            view = self._views[key] = cluster_view(self.workers, task)
+            view = self._views[key] = cluster_view(self.serving(task.tenant), task)
         return view
+
+    def serving(self, tenant: str) -> Sequence[Worker]:
+        """The healthy workers that may serve `tenant`."""
+        serves = self.serves()
+        return serving(self.workers, serves, tenant)
 
     def auto(self) -> profiles.Fleet:
         if self._auto is None:
@@ -631,9 +643,7 @@ def _leave_for_warm(task: Task, worker: Worker, facts: Facts, device: Device, wa
     capability = task.spec.capability
     if not profiles.leave_for_warm(worker, facts.workers, capability, device, waited):
         return False
-    serves = facts.serves()
-    theirs = [w for w in facts.workers if worker_serves(serves.get(w.id, ALL_TENANTS), task.tenant)]
-    return profiles.leave_for_warm(worker, theirs, capability, device, waited)
+    return profiles.leave_for_warm(worker, facts.serving(task.tenant), capability, device, waited)
 
 
 @dataclass(frozen=True)

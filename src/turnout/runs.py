@@ -402,8 +402,9 @@ class PipelineRuns:
                        alloc=Allocation(cpu=cpu_res.cpu, memory=cpu_res.memory_bytes))  # fmt: skip
 
     def _route(self, task: Task, cpu_fits: bool, healthy: Sequence[Worker]) -> Route | None:
+        theirs = placement.serving(healthy, self.ctrl.serves_of(healthy), task.tenant)
         return chain_route(
-            task.spec.gpu, task.spec.gpu_wait_s, cpu_fits, placement.cluster_view(healthy, task)
+            task.spec.gpu, task.spec.gpu_wait_s, cpu_fits, placement.cluster_view(theirs, task)
         )
 
     def _healthy(self) -> Sequence[Worker]:

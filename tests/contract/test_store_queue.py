@@ -159,7 +159,7 @@ def test_the_placement_clock_of_a_kind_with_overrides_moves_only_its_own_tasks(s
 def test_the_placement_clock_starts_fails_the_kind_when_due_and_clears_when_servable(store: Store) -> None:
     store.insert_tasks([_plain(1), _plain(2, timeout_s=30.0), _plain(3, gpu=GpuMode.NEVER), _task(4)])
     # Given nobody can serve (cap, prefer): the clock starts for its plain tasks only
-    prefer = next(k for k in store.queued_kinds() if k[:3] == ("cap", "prefer", None))
+    prefer = next(k for k in store.queued_kinds() if k[1:4] == ("cap", "prefer", None))
     assert store.mark_servable(prefer, False, 1000.0, NO_CAPACITY) == []
     assert [t.unservable_since for t in store.get_tasks(["t_000001", "t_000002"])] == [1000.0, 1000.0]
     assert store.get_task("t_000003").unservable_since is None  # type: ignore[union-attr]
@@ -176,6 +176,20 @@ def test_the_placement_clock_starts_fails_the_kind_when_due_and_clears_when_serv
     assert store.mark_servable(prefer, True, 1011.0, NO_CAPACITY) == []
     assert store.get_task("t_000002").unservable_since is None  # type: ignore[union-attr]
     assert store.get_task("t_000004").unservable_since is None  # type: ignore[union-attr]
+
+
+def test_each_tenants_tasks_of_one_kind_keep_a_placement_clock_of_their_own(store: Store) -> None:
+    # the workers that may serve a task depend on its tenant (private workers): one verdict per tenant
+    store.insert_tasks([_plain(1), replace(_plain(2), tenant="acme")])
+    kinds = {k.tenant: k for k in store.queued_kinds() if k[1:4] == ("cap", "prefer", None)}
+    assert sorted(kinds) == ["acme", "default"] and (kinds["acme"].sample_id, kinds["default"].sample_id) == (
+        "t_000002",
+        "t_000001",
+    )
+    store.mark_servable(kinds["acme"], False, 1000.0, NO_CAPACITY)
+    assert [t.unservable_since for t in store.get_tasks(["t_000001", "t_000002"])] == [None, 1000.0]
+    assert store.mark_servable(kinds["acme"], False, 1010.0, NO_CAPACITY) == ["t_000002"]
+    assert store.get_task("t_000001").state is TaskState.QUEUED  # type: ignore[union-attr]
 
 
 def test_json_columns_keep_none_apart_from_empty_and_read_back_as_written(store: Store) -> None:

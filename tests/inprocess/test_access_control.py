@@ -380,8 +380,10 @@ def test_a_tenant_admin_cannot_reach_another_tenant(tenants: Tenants) -> None:
 def test_a_worker_token_of_one_tenant_never_leases_another_tenants_tasks(tenants: Tenants) -> None:
     body = {**REGISTER, "variants": [{"capability": "lease-probe", "device": "cpu"}]}
     acme_worker, acme_secret = tenants.worker(tenants.token("acme-worker"), body)  # first: a known capability
+    # default's task waits for a worker that serves it (acme's does not: it is not a known capability to default)
     secret_task = tenants.call(tenants.operator, "POST", "/v1/tasks",
-                               json={"capability": "lease-probe", "input": {"secret": "default's"}}).json()  # fmt: skip
+                               json={"capability": "lease-probe", "input": {"secret": "default's"},
+                                     "placement_timeout_s": 60}).json()  # fmt: skip
     acme_task = tenants.call(tenants.token("acme-submit"), "POST", "/v1/tasks",
                              json={"capability": "lease-probe", "input": {"n": 1}}).json()  # fmt: skip
     leased: list[dict[str, Any]] = []

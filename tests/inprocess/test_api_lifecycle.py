@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.inprocess.conftest import GPU_SHOUT, Api
+from tests.inprocess.conftest import GPU_SHOUT, Api, Worker
 
 pytestmark = pytest.mark.anyio
 
@@ -102,3 +102,51 @@ async def test_require_without_a_gpu_worker_fails_no_capacity_after_placement_ti
     await api.sweep()
     done = (await api.client.get(f"/v1/tasks/{task['id']}/result", params={"wait": 5})).json()
     assert (done["state"], done["error"]["type"], done["attempts"]) == ("failed", "no_capacity", 0)
+
+
+async def test_another_tenants_private_worker_neither_tells_its_capabilities_nor_holds_a_tenants_tasks(
+    api: Api,
+) -> None:
+    # globex runs a private worker serving `globexonly` (and a GPU, for `prefer`); nobody else serves it
+    token = await api.token("worker", "globex")
+    body = {"name": "private", "host": "h", "cpu": 4, "memory": 2**33, "heartbeat_s": 1.0,
+            "gpus": [{"index": 0, "uuid": "GPU-globex", "name": "Fake H100", "memory_total_bytes": 80 * 2**30}],
+            "variants": [{"capability": "globexonly", "device": "cpu", "resources": {"cpu": 1}},
+                         {"capability": "shout", "device": "gpu", "resources": {"cpu": 1, "gpu": 1}}]}  # fmt: skip
+    resp = await api.as_(token, "POST", "/v1/workers/register", json=body)
+    assert resp.status_code == 201, resp.text
+    private = Worker(api, resp.json()["id"], token, resp.json()["secret"])
+    shared = await api.worker()  # every tenant's CPU worker for `shout`
+    acme, globex = await api.token("submit", "acme"), await api.token("submit", "globex")
+
+    # acme is told of `globexonly` what it is told of a name nobody registered
+    answers = []
+    for name in ("globexonly", "globexonlz"):
+        refused = await api.as_(acme, "POST", "/v1/tasks", json={"capability": name})
+        assert refused.status_code == 422, refused.text
+        answers.append(refused.json()["error"]["message"].replace(name, "NAME"))
+    assert answers[0] == answers[1] and "globex" not in answers[0]
+    assert (await api.as_(globex, "POST", "/v1/tasks", json={"capability": "globexonly"})).status_code == 201
+
+    # acme's task that waits for capacity fails no_capacity on time, though globex's worker stays healthy
+    waiting = await api.as_(
+        acme, "POST", "/v1/tasks", json={"capability": "globexonly", "placement_timeout_s": 2}
+    )
+    assert waiting.status_code == 201, waiting.text
+    await api.sweep()
+    for _ in range(3):
+        api.clock.advance(1.0)
+        await private.heartbeat()
+        await shared.heartbeat()
+        await api.sweep()
+    done = (await api.client.get(f"/v1/tasks/{waiting.json()['id']}")).json()
+    assert (done["state"], done["error"]["type"]) == ("failed", "no_capacity")
+    mine = (await api.as_(globex, "GET", "/v1/tasks")).json()["tasks"]
+    assert [t["state"] for t in mine] == ["queued"]  # globex's own, servable by its worker, waits on
+
+    # acme's `prefer` task does not wait for globex's GPU: no GPU worker serves acme, so the CPU at once
+    preferred = await api.as_(acme, "POST", "/v1/tasks", json={"capability": "shout", "gpu": "prefer"})
+    (leased,) = (await shared.lease())["tasks"]
+    assert leased["id"] == preferred.json()["id"] and leased["device"] == "cpu"
+    routed = (await api.client.get(f"/v1/tasks/{leased['id']}")).json()["routing"]
+    assert "no healthy gpu worker" in routed["reason"], routed

@@ -29,12 +29,12 @@ from turnout.api import (
     workers,
 )
 from turnout.api import metrics as prometheus
+from turnout.api.errors import error_response
 from turnout.api.fastpath import FastPath
 from turnout.api.gate import SubmitGate
 from turnout.api.guards import Guards
 from turnout.api.limits import BodyLimit
 from turnout.api.service import Service
-from turnout.api.errors import error_response
 from turnout.api.strictjson import StrictJsonRoute
 from turnout.errors import Unauthorized
 from turnout.escalation import Escalator

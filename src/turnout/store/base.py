@@ -35,9 +35,11 @@ TaskChange = tuple[str, Sequence[TaskState], "int | None", dict[str, Any]]
 
 class QueuedKind(NamedTuple):
     """Queued tasks that share one verdict on whether any live worker could serve them (the sweep's
-    `no_capacity` clock): one capability, gpu value and set of resource overrides, never retried (no routing
-    history). `resources` is the overrides as stored (JSON text; None for none), `sample_id` one such task."""
+    `no_capacity` clock): one tenant (whom the workers that may serve them depend on), capability, gpu value
+    and set of resource overrides, never retried (no routing history). `resources` is the overrides as stored
+    (JSON text; None for none), `sample_id` one such task."""
 
+    tenant: str
     capability: str
     gpu_mode: str
     resources: str | None

@@ -304,17 +304,17 @@ class MemoryStore:
         return gpus_held(holds)
 
     def queued_kinds(self) -> list[QueuedKind]:
-        kinds: dict[tuple[str, str, str | None], str] = {}
+        kinds: dict[tuple[str, str, str, str | None], str] = {}
         with self._lock:
             for r in self._never_retried():
-                key = (r["capability"], r["gpu_mode"], r["resources"])
+                key = (r["tenant"], r["capability"], r["gpu_mode"], r["resources"])
                 kinds[key] = min(kinds.get(key, r["id"]), r["id"])
-        return [QueuedKind(c, m, res, i) for (c, m, res), i in kinds.items()]
+        return [QueuedKind(t, c, m, res, i) for (t, c, m, res), i in kinds.items()]
 
     def _never_retried(self, kind: QueuedKind | None = None) -> list[Row]:
         """Queued tasks with no retry history (of one kind, if named)."""
         return [r for r in self._tasks.values() if r["state"] == _QUEUED and r["routing"] is None
-                and (kind is None or (r["capability"], r["gpu_mode"], r["resources"]) == kind[:3])]  # fmt: skip
+                and (kind is None or (r["tenant"], r["capability"], r["gpu_mode"], r["resources"]) == kind[:4])]  # fmt: skip
 
     def queued_unusual(self, limit: int = 10_000) -> list[Task]:
         with self._lock:

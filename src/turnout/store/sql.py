@@ -423,12 +423,12 @@ class SqlStore:
         """One per kind of queued task never retried (`QueuedKind`): a deep queue of tasks with the same
         overrides (`gpu: 0.25`) is judged once, not task by task."""
         query = (
-            sa.select(T.c.capability, T.c.gpu_mode, _RESOURCES_TEXT, sa.func.min(T.c.id))
+            sa.select(T.c.tenant, T.c.capability, T.c.gpu_mode, _RESOURCES_TEXT, sa.func.min(T.c.id))
             .where(T.c.state == TaskState.QUEUED.value, T.c.routing.is_(None))
-            .group_by(T.c.capability, T.c.gpu_mode, _RESOURCES_TEXT)
+            .group_by(T.c.tenant, T.c.capability, T.c.gpu_mode, _RESOURCES_TEXT)
         )
         with self._read() as conn:
-            return [QueuedKind(c, m, r, i) for c, m, r, i in conn.execute(query)]
+            return [QueuedKind(t, c, m, r, i) for t, c, m, r, i in conn.execute(query)]
 
     def queued_unusual(self, limit: int = 10_000) -> list[Task]:
         """Queued tasks with a routing history (a retry): each needs its own verdict."""
@@ -442,7 +442,7 @@ class SqlStore:
         Returns the ids that failed `no_capacity` (unservable for their whole `placement_timeout_s`).
         """
         same = _RESOURCES_TEXT.is_not_distinct_from(kind.resources)  # NULL: no overrides
-        where = (T.c.state == TaskState.QUEUED.value, T.c.capability == kind.capability,
+        where = (T.c.state == TaskState.QUEUED.value, T.c.tenant == kind.tenant, T.c.capability == kind.capability,
                  T.c.gpu_mode == kind.gpu_mode, same, T.c.routing.is_(None))  # fmt: skip
         failed: list[str] = []
         with self._write() as conn:
