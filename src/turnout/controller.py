@@ -210,7 +210,9 @@ class Controller:
             return self.store.insert_tasks(tasks)
         except IdempotencyConflict as exc:
             field = f"{where[exc.index]}idempotency_key"
-            raise IdempotencyConflict(exc.key, exc.task_id, index=exc.index, field=field) from None
+            earlier = None if exc.earlier is None else f"{where[exc.earlier]}idempotency_key"
+            raise IdempotencyConflict(exc.key, exc.task_id, index=exc.index, field=field, earlier=exc.earlier,
+                                      earlier_field=earlier) from None  # fmt: skip
 
     def queued_for(self, tenant: str) -> None:
         """A task of `tenant` is being queued: shared workers look at its queue from now on."""

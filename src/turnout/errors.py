@@ -83,15 +83,16 @@ class IdempotencyConflict(Conflict):
     """An idempotency_key already names a task that asked for something else: returning that task would
     silently drop this request, so it is refused. `index` is the request's position in its batch."""
 
-    def __init__(self, key: str, task_id: str, *, index: int = 0, field: str = "idempotency_key") -> None:
-        super().__init__(
-            f"{field}: {key!r} already names task {task_id}, submitted with a different body; "
-            "use a new key for a new request",
-            field=field,
-        )
+    def __init__(self, key: str, task_id: str, *, index: int = 0, field: str = "idempotency_key",
+                 earlier: int | None = None, earlier_field: str | None = None) -> None:  # fmt: skip
+        # `earlier`: the key came first at that position of the same batch, whose task is never made
+        said = (f"is also {earlier_field or f'the key of item {earlier}'} in this batch, with a different body"
+                if earlier is not None else f"already names task {task_id}, submitted with a different body")  # fmt: skip
+        super().__init__(f"{field}: {key!r} {said}; use a new key for a new request", field=field)
         self.key = key
         self.task_id = task_id
         self.index = index
+        self.earlier = earlier
 
 
 class PayloadTooLarge(TurnoutError):

@@ -52,7 +52,8 @@ def test_a_key_repeated_within_one_batch_follows_the_same_rule(store: Store) -> 
     assert [t.id for t in same] == ["t_000001", "t_000001"]
     with pytest.raises(IdempotencyConflict) as caught:
         store.insert_tasks([_keyed(3, "j", n=1), _keyed(4, "j", n=2)])
-    assert caught.value.index == 1
+    assert (caught.value.index, caught.value.earlier) == (1, 0)  # the key's first use is in the batch itself
+    assert "t_000003" not in caught.value.message  # a task the refused batch never made is not named
 
 
 def test_keys_belong_to_their_tenant(store: Store) -> None:

@@ -177,3 +177,19 @@ def test_a_multipart_filename_with_a_nul_is_refused_as_a_name_with_one_is(served
                        headers={"Content-Type": "multipart/form-data; boundary=XX"})  # fmt: skip
     assert resp.status_code == 422, resp.text
     assert resp.json()["error"]["field"] == "file"
+
+
+async def test_a_batch_reusing_a_key_with_another_body_names_the_item_not_a_task_never_made(api: Api) -> None:
+    await api.worker()
+    tasks = [
+        {"capability": "shout", "idempotency_key": "dd"},
+        {"capability": "shout", "input": 2, "idempotency_key": "dd"},
+    ]
+    resp = await api.client.post("/v1/tasks/batch", json={"tasks": tasks})
+    assert resp.status_code == 409, resp.text
+    error = resp.json()["error"]
+    assert error["field"] == "tasks.1.idempotency_key"
+    assert (
+        "is also tasks.0.idempotency_key in this batch" in error["message"] and "t_" not in error["message"]
+    )
+    assert await _tasks(api) == []

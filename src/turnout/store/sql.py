@@ -1037,6 +1037,7 @@ def _dedupe(
     """(what to answer per task, the rows to insert): a taken key answers its task when the request is the
     same, else IdempotencyConflict. Keys repeated within one batch follow the same rule."""
     taken = dict(taken)
+    in_batch: dict[tuple[str, str], int] = {}  # keys first met in this batch: where
     out: list[Task] = []
     fresh: list[dict[str, Any]] = []
     for i, t in enumerate(tasks):
@@ -1045,10 +1046,11 @@ def _dedupe(
             first = taken.get((t.tenant, key))
             if first is not None:
                 if first.spec != t.spec:
-                    raise IdempotencyConflict(key, first.id, index=i)
+                    raise IdempotencyConflict(key, first.id, index=i, earlier=in_batch.get((t.tenant, key)))
                 out.append(first)
                 continue
             taken[(t.tenant, key)] = t
+            in_batch[(t.tenant, key)] = i
         fresh.append(_task_row(t))
         out.append(t)
     return out, fresh
