@@ -36,7 +36,7 @@ def _walk(value: Any, path: str) -> tuple[str, str] | None:
         is_key, item, where, depth = stack.pop()
         if is_key:
             if not isinstance(item, str):
-                return _render(where[:-1]), f"key {item!r} is not a string"
+                return _render(where[:-1]), f"key {_shown(item)} is not a string"
             bad = _bad_text(item)
             if bad:
                 return _render(where), f"key {bad}"
@@ -92,6 +92,15 @@ def _problem_here(item: Any, depth: int) -> str | None:
     if isinstance(item, dict | list | tuple):
         return f"nested deeper than {MAX_DEPTH} levels" if depth >= MAX_DEPTH else None
     return f"a {type(item).__name__} is not a JSON value"
+
+
+def _shown(item: Any) -> str:
+    """A key's repr for a message, bounded; an object whose repr raises is named by its type."""
+    try:
+        text = repr(item)
+    except Exception:
+        return f"of type {type(item).__name__}"
+    return text if len(text) <= 100 else text[:97] + "..."
 
 
 def _render(parts: tuple[str, ...]) -> str:

@@ -17,7 +17,7 @@ from turnout.errors import InvalidInput
 from turnout.jsonsafe import problem
 from turnout.models import Device, Variant, check_capability_name
 from turnout.resources import Resources, parse_resources
-from turnout.worker.reports import InvalidOutput
+from turnout.worker.reports import PROTOCOL_EVENTS, TASK_TAG, InvalidOutput, event_name_problem
 
 Handler = Callable[["Context", Any], Any]
 
@@ -122,6 +122,7 @@ class Context:
         lock: threading.Lock | None = None,
         files: dict[str, str] | None = None,
         output_dir: str | None = None,
+        tag: int | None = None,
     ) -> None:
         self.task_id = task_id
         self.attempt = attempt
@@ -132,6 +133,8 @@ class Context:
         self._files = files or {}
         self._output_dir = output_dir
         self._output_made = False
+        self._tag = tag  # the task's number in its process: each line it writes says it (TASK_TAG)
+        self._ended = False  # its handler returned: later events belong to no task and are dropped
 
     def path(self, ref: Any) -> Path:
         """The local path of an input file, by its reference (`{"$file": ID}`, as in the input) or its id."""
@@ -161,17 +164,35 @@ class Context:
     def emit(self, event: str, **fields: Any) -> None:
         """Stream one event. A value strict JSON cannot carry (NaN, a set, a lone surrogate) raises
         `InvalidOutput` here, in the handler that made it, naming the field (`events.progress.done`): the
-        task fails `invalid_output` unless the handler catches it; nothing is silently turned into a string."""
+        task fails `invalid_output` unless the handler catches it; nothing is silently turned into a string.
+
+        `event` is a short identifier (`progress`, `text_delta`); `result` and `finish` are the protocol's own
+        (the handler's return value is its result) and are refused with `InvalidInput`, as is any other name.
+        An event emitted after the handler returned (from a thread it left running) is dropped."""
+        why = event_name_problem(event)
+        if why is None and event in PROTOCOL_EVENTS:
+            why = f"{event!r} is written by Turnout when the handler returns (return the output instead)"
+        if why is None and TASK_TAG in fields:
+            why = f"{TASK_TAG!r} is a field the protocol uses"
+        if why is not None:
+            raise InvalidInput(f"ctx.emit: {why}", field="event")
         body = {"event": event, **fields}
         found = problem(fields, f"events.{event}")
         if found:
             raise InvalidOutput(*found)
         if self._sink is None:
             return
-        line = json.dumps(body, allow_nan=False)
+        line = json.dumps({TASK_TAG: self._tag, **body} if self._tag is not None else body, allow_nan=False)
         with self._lock:
+            if self._ended:
+                return
             self._sink.write(line + "\n")
             self._sink.flush()
+
+    def _end(self) -> None:
+        """The handler returned: from now on `emit` drops what it is given (called by the runner)."""
+        with self._lock:
+            self._ended = True
 
     def progress(self, done: float, total: float | None = None) -> None:
         self.emit("progress", done=done, total=total)

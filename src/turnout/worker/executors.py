@@ -59,7 +59,7 @@ def _python_pool(app_ref: str, hv: HandlerVariant, base_env: dict[str, str]) -> 
             hv.variant.capability,
             hv.variant.device.value,
         ]
-        return ProtocolProcess(argv, {**base_env, **gpu_env(key)}, lifeline_arg=True)
+        return ProtocolProcess(argv, {**base_env, **gpu_env(key)}, lifeline_arg=True, tagged=True)
 
     return ProcessPool(factory, min_processes=hv.pool.min_processes, idle_timeout_s=hv.pool.idle_timeout_s,
                        max_processes=hv.pool.max_processes)  # fmt: skip
@@ -119,7 +119,9 @@ def split_cold_start(outcome: Outcome, fresh: bool, asked_at: float) -> tuple[fl
 
 
 def per_task(outcome: Outcome, n: int, batched: bool) -> list[Outcome]:
-    """Each task's own outcome: a batch's list of outputs is split in order; a batch that failed fails each task."""
+    """Each task's own outcome: a batch's list of outputs is split in order; a batch that failed fails each task.
+
+    An item the runner found JSON cannot carry (`item_errors`) fails its own task only."""
     if not batched:
         return [outcome] * n
     if not outcome.succeeded:
@@ -131,7 +133,11 @@ def per_task(outcome: Outcome, n: int, batched: bool) -> list[Outcome]:
             "output", f"a batched handler must return a list of {n} outputs, one per input; got {got}"
         )
         return [Outcome(False, error=error)] * n
-    return [Outcome(True, output=o) for o in outputs]
+    errors = outcome.item_errors if outcome.item_errors and len(outcome.item_errors) == n else [None] * n
+    return [
+        Outcome(True, output=o) if e is None else Outcome(False, error=e)
+        for o, e in zip(outputs, errors, strict=True)
+    ]
 
 
 def routed(sinks: list[EventSink], batched: bool) -> EventSink:
@@ -243,7 +249,12 @@ class Executor:
                     )
                     outcome = await proc.run(line, sink, first.get("timeout_s"))
                     # a failure the program reported itself leaves it warm; a timeout or a crash does not
-                    reusable = proc.alive and (outcome.error or {}).get("type") not in PROCESS_FAULTS
+                    kind = (outcome.error or {}).get("type")
+                    reusable = (
+                        proc.alive
+                        and not proc.out_of_step
+                        and not (isinstance(kind, str) and kind in PROCESS_FAULTS)
+                    )
                 finally:
                     self.shared.pop(first["id"], None)
                     runnable.pool.release(proc, key, reusable)

@@ -83,7 +83,7 @@ class ProcessPool:
             stack = self.idle.get(key, [])
             while stack:
                 proc = stack.pop()
-                if proc.alive:
+                if proc.alive and not proc.out_of_step:  # one that wrote between tasks was killed for it
                     self.busy.add(proc)
                     return proc
             if self.max_processes is None or self.size < self.max_processes:
@@ -111,7 +111,7 @@ class ProcessPool:
 
     def release(self, proc: ProtocolProcess, key: tuple[str, ...], reusable: bool) -> None:
         self.busy.discard(proc)
-        if reusable and proc.alive:
+        if reusable and proc.alive and not proc.out_of_step:
             self.idle.setdefault(key, []).append(proc)
         else:
             proc.kill()
@@ -129,9 +129,10 @@ class ProcessPool:
         total = sum(len(v) for v in self.idle.values()) + len(self.busy)
         for stack in list(self.idle.values()):  # a close below awaits: the dict may change meanwhile
             for proc in list(stack):
-                if not proc.alive:
+                if not proc.alive or proc.out_of_step:
                     stack.remove(proc)
                     total -= 1
+                    proc.kill()
                 elif now - proc.last_used > self.idle_timeout_s and total > self.min_processes:
                     stack.remove(proc)
                     total -= 1

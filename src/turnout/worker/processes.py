@@ -18,7 +18,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
+import re
 import signal
 import subprocess
 import time
@@ -30,11 +32,26 @@ from typing import Any
 
 from turnout.worker import containment
 from turnout.worker.containment import Containment, Isolation
+from turnout.worker.reports import TASK_TAG, event_name_problem, readable
 
 log = logging.getLogger("turnout.worker")
 EventSink = Callable[[dict[str, Any]], None]
 STREAM_LIMIT = 64 * 1024 * 1024  # one protocol line (a large result) may be this long
+LOG_LINE_LIMIT = 64 * 1024  # one log line (stderr, or stdout that is not JSON) is cut to this many bytes
+TAIL_LINE_CHARS = 4000  # each of the last stderr lines a `process_exited` error quotes
 EXIT_POLL_S = 0.02
+ERROR_MESSAGE_CHARS = 100_000  # as the runner caps a handler's message
+MAX_ERROR_EXTRA = 4096  # a program's error fields beyond type and message are kept up to this much JSON
+ERROR_TYPE = re.compile(r"[a-z][a-z0-9_.-]{0,63}\Z")
+# error types only Turnout decides (its controller's verdicts, what it retries, what its worker measured): a
+# program that reports one fails `failed`, its claim quoted in the message. `gpu_oom` is a program's to say.
+TURNOUT_VERDICTS = frozenset({
+    "worker_lost", "timeout", "cancelled", "no_capacity", "stage_failed", "gpu_scrub_failed", "gpu_quarantined",
+    "gpu_memory_exceeded", "process_exited", "worker_error", "not_served", "sandbox_unavailable",
+    "docker_unavailable", "input_file_missing", "input_file_unavailable", "output_upload_failed",
+    "output_too_large", "output_refused",
+})  # fmt: skip
+_TAGGED_HEAD = re.compile(rb'\{"%s": (\d+)' % TASK_TAG.encode())
 
 
 @dataclass
@@ -48,14 +65,39 @@ class Outcome:
     ready_at: float | None = None  # when a fresh Python process finished its setup (the runner says)
     peak_rss_bytes: int | None = None  # the process's peak RAM so far (the runner says)
     peak_gpu_memory_bytes: int | None = None  # torch's peak CUDA allocation during the task (the runner says)
+    # a batch's per-item failures (the runner's `item_errors`): None, or one error or None per input
+    item_errors: list[dict[str, Any] | None] | None = None
+
+
+@dataclass
+class _Task:
+    """The task a process is running: where its events go and what its lines said so far."""
+
+    seq: int
+    sink: EventSink
+    started: float
+    done: asyncio.Future[Outcome]
+    output: Any = None
+    have_result: bool = False
+    last_text: Any = None
+    item_errors: Any = None
+    too_long: str | None = None  # the field ("output", "events") of the first line dropped for its length
 
 
 class ProtocolProcess:
-    """One live child. `run()` sends one task and collects its events until `finish`."""
+    """One live child. `run()` sends one task and collects its events until `finish`.
+
+    Each line the child writes belongs to the task in flight, from its line's writing to its `finish`; what it
+    writes between tasks is no task's. A `tagged` child (the Python runner) numbers its lines with the task
+    they belong to, so a line of an earlier task (a handler's thread emitting after it returned) is dropped
+    and the child stays warm. An untagged child (a command) that writes after its `finish` is out of step:
+    it is killed, never reused, so no task ever receives another task's lines.
+    """
 
     def __init__(self, argv: Sequence[str], env: dict[str, str], *, cwd: str | None = None, lifeline_arg: bool = False,
                  default_timeout_s: float | None = None, one_task: bool = False,
-                 cleanup_argv: Sequence[str] | None = None, contain: Containment | None = None) -> None:  # fmt: skip
+                 cleanup_argv: Sequence[str] | None = None, contain: Containment | None = None,
+                 tagged: bool = False) -> None:  # fmt: skip
         self.argv = list(argv)
         self.env = env
         self.cwd = cwd
@@ -68,6 +110,7 @@ class ProtocolProcess:
             cleanup_argv or []
         )  # run when killed alive, for what outlives the group (a container)
         self.contain = contain  # default: the worker's (`containment.current()`), resolved at start
+        self.tagged = tagged  # its task lines carry TASK_TAG and so does each line it writes (the runner)
         # what held and confined it, recorded on its tasks: keys its maker knows (a sandbox's, a container's),
         # set before `start`, joined at start by what containment applied (`launch.confirm`)
         self.isolation: Isolation | None = None
@@ -79,6 +122,13 @@ class ProtocolProcess:
         self._sink: EventSink | None = None
         self._stderr_tail: deque[str] = deque(maxlen=20)
         self._stderr_task: asyncio.Task[None] | None = None
+        self._stdout_task: asyncio.Task[None] | None = None  # reads every line, from the first task on
+        self._stdout_closed = False
+        self._current: _Task | None = None
+        self._seq = 0
+        self._killed = False
+        self.out_of_step = False  # wrote between tasks: killed, and never reused
+        self.stray_lines = 0  # lines dropped as no task's
         self.last_used = time.monotonic()
         self.tasks_served = 0
         self.spawned_at: float | None = (
@@ -168,40 +218,49 @@ class ProtocolProcess:
     async def _read_stderr(self) -> None:
         assert self.proc and self.proc.stderr
         while True:
-            try:
-                raw = await self.proc.stderr.readline()
-            except (ValueError, asyncio.LimitOverrunError):
-                continue
-            if not raw:
+            raw, dropped = await read_line(self.proc.stderr, LOG_LINE_LIMIT)
+            if not raw and not dropped:
                 return
-            line = raw.decode(errors="replace").rstrip("\n")
-            self._stderr_tail.append(line)
+            line = log_line(raw, dropped)
+            self._stderr_tail.append(readable(line, TAIL_LINE_CHARS))
             if self._sink:
                 self._sink({"event": "log", "stream": "stderr", "line": line})
 
     async def run(self, task_line: str, sink: EventSink, timeout_s: float | None) -> Outcome:
-        """Send one task, stream its events to `sink`; kill the process group on timeout or cancel."""
+        """Send one task, stream its events to `sink`; kill the process group on timeout or cancel.
+
+        The timeout covers the whole run, the writing of the task's line included (a program that never
+        reads a line larger than its pipe holds would block that write for ever)."""
         assert self.proc and self.proc.stdin and self.proc.stdout
+        self._seq += 1
+        started = time.time()
+        current = _Task(self._seq, sink, started, asyncio.get_running_loop().create_future())
+        if self.tagged:
+            task_line = with_tag(task_line, current.seq)
         self._sink = sink
         self._stderr_tail.clear()
-        started = time.time()
+        self._current = current
+        if self._stdout_task is None:  # what it wrote before its first task (setup's events) is that task's
+            self._stdout_task = asyncio.create_task(self._read_stdout())
         timeout_s = timeout_s if timeout_s is not None else self.default_timeout_s
         try:
-            self.proc.stdin.write(task_line.encode() + b"\n")
-            await self.proc.stdin.drain()
-            if self.one_task:
-                self.proc.stdin.close()
-            outcome = await asyncio.wait_for(self._collect(sink, started), timeout=timeout_s)
+            outcome = await asyncio.wait_for(self._send(task_line, current), timeout=timeout_s)
         except asyncio.TimeoutError:
             self.kill()
             message = f"ran longer than timeout_s={timeout_s:g}; its process group was killed"
             outcome = Outcome(False, error={"type": "timeout", "message": message}, started_at=started)
         except (BrokenPipeError, ConnectionResetError):
-            outcome = await self._exited(started)
+            reported = current.done
+            if reported.done() and not reported.cancelled() and reported.exception() is None:
+                outcome = reported.result()  # it finished without reading all of its line
+            else:
+                outcome = await self._exited(started)
         except asyncio.CancelledError:
             self.kill()
             raise
         finally:
+            if self._current is current:
+                self._current = None
             self._sink = None
         outcome.run_s = time.time() - started
         outcome.isolation = self.isolation
@@ -209,53 +268,141 @@ class ProtocolProcess:
         self.last_used = time.monotonic()
         return outcome
 
-    async def _collect(self, sink: EventSink, started: float) -> Outcome:
+    async def _send(self, task_line: str, current: _Task) -> Outcome:
+        assert self.proc and self.proc.stdin
+        if self._stdout_closed:  # it closed its stdout: no event of this task can come
+            return await self._exited(current.started)
+        self.proc.stdin.write(task_line.encode() + b"\n")
+        await self.proc.stdin.drain()
+        if self.one_task:
+            self.proc.stdin.close()
+        return await current.done
+
+    async def _read_stdout(self) -> None:
+        """Every line the child writes, for as long as it writes: each goes to the task it belongs to, or none."""
         assert self.proc and self.proc.stdout
-        output: Any = None
-        have_result = False
-        last_text: str | None = None
-        while True:
-            try:
-                raw = await self.proc.stdout.readline()
-            except (ValueError, asyncio.LimitOverrunError):
-                sink(
-                    {
-                        "event": "log",
-                        "stream": "stdout",
-                        "line": "(line longer than the protocol limit dropped)",
-                    }
-                )
-                continue
-            if not raw:
-                return await self._exited(started)
-            text = raw.decode(errors="replace").strip()
-            if not text:
-                continue
-            try:
-                event = json.loads(text)
-            except ValueError:
-                event = None
-            if not isinstance(event, dict) or not isinstance(event.get("event"), str):
-                sink({"event": "log", "stream": "stdout", "line": text})
-                continue
-            kind = event["event"]
-            if kind == "result":
-                output, have_result = event.get("data"), True
-            elif kind == "text":
-                last_text = event.get("content")
-                sink(event)
-            elif kind == "finish":
-                facts = _finish_facts(event)
-                if event.get("status") == "completed":
-                    if not have_result and last_text is not None:
-                        output = {"text": last_text}
-                    return Outcome(True, output=output, started_at=started, **facts)
-                error = event.get("error")
-                if not isinstance(error, dict):
-                    error = {"type": "failed", "message": str(error or "the worker program reported failure")}
-                return Outcome(False, error=error, started_at=started, **facts)
-            else:
-                sink(event)
+        try:
+            while True:
+                raw, dropped = await read_line(self.proc.stdout, LOG_LINE_LIMIT)
+                if not raw and not dropped:
+                    break
+                self._line(raw, dropped)
+        except Exception as exc:  # a bug here must fail the task in flight, not leave it waiting
+            log.exception("process %s: reading its output failed", self.pid)
+            current = self._current
+            if current is not None and not current.done.done():
+                current.done.set_exception(exc)
+            return
+        self._stdout_closed = True
+        current = self._current
+        if current is not None:
+            self._end(current, await self._exited(current.started))
+
+    def _end(self, current: _Task, outcome: Outcome) -> None:
+        """The task's last line was read: from here on, what the child writes is no task's until the next."""
+        if self._current is current:
+            self._current = None
+        if not current.done.done():
+            current.done.set_result(outcome)
+
+    def _line(self, raw: bytes, dropped: int) -> None:
+        current = self._current
+        if dropped:  # longer than STREAM_LIMIT: `raw` is its head, the rest was never held
+            tag = _TAGGED_HEAD.match(raw)
+            if current is None or (self.tagged and (tag is None or int(tag.group(1)) not in self._tags())):
+                self._stray(raw[:200].decode(errors="replace") + "...")
+                return
+            if not raw.lstrip().startswith(b"{"):  # plain text, not an event: its head is kept as a log line
+                current.sink({"event": "log", "stream": "stdout", "line": log_line(raw, dropped)})
+                return
+            is_result = re.search(rb'"event"\s*:\s*"result"', raw[:300]) is not None
+            current.too_long = current.too_long or ("output" if is_result else "events")
+            note = f"(a line of {dropped:,} bytes, over the protocol's {STREAM_LIMIT // 2**20} MiB limit, was dropped)"
+            current.sink({"event": "log", "stream": "stdout", "line": note})
+            return
+        text = raw.decode(errors="replace").strip()
+        if not text:
+            return
+        try:
+            event = json.loads(text)
+        except ValueError:
+            event = None
+        if self.tagged:
+            tag = event.get(TASK_TAG) if isinstance(event, dict) else None
+            if current is None or type(tag) is not int or tag not in self._tags():
+                self._stray(text)
+                return
+            del event[TASK_TAG]
+        elif current is None:
+            self._stray(text)
+            return
+        assert current is not None
+        if not isinstance(event, dict) or not isinstance(event.get("event"), str):
+            current.sink({"event": "log", "stream": "stdout", "line": log_line(raw.strip(), 0)})
+            return
+        kind = event["event"]
+        why = event_name_problem(kind)
+        if why is not None:  # never forwarded as a name: the events stream writes names raw
+            line = f"({why}; the line is kept here) " + log_line(raw.strip(), 0)
+            current.sink({"event": "log", "stream": "stdout", "line": line})
+            return
+        if kind == "result":
+            current.output, current.have_result = event.get("data"), True
+            current.item_errors = event.get("item_errors")
+        elif kind == "text":
+            current.last_text = event.get("content")
+            current.sink(event)
+        elif kind == "finish":
+            self._end(current, self._finished(current, event))
+        else:
+            current.sink(event)
+
+    def _tags(self) -> tuple[int, ...]:
+        """The tags the task in flight may carry: its number, and 0 (setup, before the first task) for the first."""
+        return (self._seq, 0) if self._seq == 1 else (self._seq,)
+
+    def _finished(self, current: _Task, event: dict[str, Any]) -> Outcome:
+        facts = _finish_facts(event, self.spawned_at)
+        if event.get("status") == "completed":
+            if current.too_long is not None:
+                why = (f"a line of its {'result' if current.too_long == 'output' else 'events'} was longer than "
+                       f"the protocol's {STREAM_LIMIT // 2**20} MiB limit and was dropped (write a large result "
+                       "as files: ctx.output_dir, or TURNOUT_OUTPUT_DIR for a command)")  # fmt: skip
+                error = {
+                    "type": "output_too_large",
+                    "field": current.too_long,
+                    "message": f"{current.too_long}: {why}",
+                }
+                return Outcome(False, error=error, started_at=current.started, **facts)
+            output = current.output
+            if not current.have_result and current.last_text is not None:
+                output = {"text": current.last_text}
+            return Outcome(True, output=output, started_at=current.started,
+                           item_errors=_item_errors(current.item_errors), **facts)  # fmt: skip
+        return Outcome(False, error=reported_error(event.get("error")), started_at=current.started, **facts)
+
+    def _stray(self, text: str) -> None:
+        """A line no task may have: dropped with a log line. An untagged child that writes between tasks is out
+        of step with its tasks (a second `finish`, a late event): it is killed, and never gets another task."""
+        self.stray_lines += 1
+        if self._killed:
+            return
+        shown = readable(text, 200)
+        if (
+            self.one_task
+        ):  # its one task is over (a program may say goodbye as it exits): nothing to keep in step
+            log.debug("process %s: dropped a line written after its task's finish: %s", self.pid, shown)
+            return
+        if self.tagged:
+            if self.stray_lines <= 3:
+                log.warning("process %s: dropped a line of no task in flight (a handler's thread that outlived "
+                            "its task?): %s", self.pid, shown)  # fmt: skip
+            return
+        if not self.out_of_step:
+            self.out_of_step = True
+            log.warning("process %s wrote after its task's finish, so its lines no longer match its tasks; it is "
+                        "killed and not reused. The line: %s", self.pid, shown)  # fmt: skip
+            self.kill()
 
     async def _exited(self, started: float) -> Outcome:
         code = await self._wait_exit()
@@ -274,6 +421,7 @@ class ProtocolProcess:
     def kill(self) -> None:
         """SIGKILL the whole process group (the child and anything it forked) and its cgroup (what left the
         group with `setsid` too)."""
+        self._killed = True
         if self._cgroup is not None:
             containment.kill_cgroup(self._cgroup)
         if self.proc is not None and not self._group_gone:
@@ -294,17 +442,115 @@ class ProtocolProcess:
         if self.proc is not None:
             await self._wait_exit()
         await self._remove_cgroup()
-        for task in (self._stderr_task, self._exit_task):
+        for task in (self._stderr_task, self._exit_task, self._stdout_task):
             if task:
                 task.cancel()
 
 
-def _finish_facts(event: dict[str, Any]) -> dict[str, Any]:
-    """What a `finish` event may say about the process (the Python runner says it; other programs may too)."""
+async def read_line(stream: asyncio.StreamReader, keep: int) -> tuple[bytes, int]:
+    """The next line, (line, 0); (b"", 0) at the end. A line longer than the stream's limit is read to its end
+    and dropped whole, never split into lines: (its first `keep` bytes, its length)."""
+    try:
+        return await stream.readuntil(b"\n"), 0
+    except asyncio.IncompleteReadError as exc:  # the end, after a last line without its newline
+        return exc.partial, 0
+    except asyncio.LimitOverrunError as exc:
+        pending = exc.consumed
+    head, dropped = b"", 0
+    while True:  # the buffer holds `pending` bytes of the line, none of them its end
+        chunk = await stream.read(pending)
+        head = head or chunk[:keep]
+        dropped += len(chunk)
+        try:
+            return head, dropped + len(await stream.readuntil(b"\n")) - 1  # its length without the newline
+        except asyncio.IncompleteReadError as exc:
+            return head, dropped + len(exc.partial)
+        except asyncio.LimitOverrunError as exc:
+            pending = exc.consumed
+
+
+def log_line(raw: bytes, dropped: int = 0) -> str:
+    """A log line as it is kept: at most LOG_LINE_LIMIT bytes of it, with a note saying how long it was."""
+    body = raw if dropped else raw.rstrip(b"\r\n")
+    total = dropped or len(body)
+    if len(body) > LOG_LINE_LIMIT or dropped:
+        kept = body[:LOG_LINE_LIMIT]
+        return kept.decode(errors="replace") + f" [line cut: {total:,} bytes, the first {len(kept):,} kept]"
+    return body.decode(errors="replace")
+
+
+def with_tag(task_line: str, seq: int) -> str:
+    """A task's JSON object line with TASK_TAG first (the runner tags each line of that task with it)."""
+    body = task_line.strip()
+    if not body.startswith("{"):
+        raise ValueError("a tagged process takes a JSON object per task")
+    rest = body[1:].lstrip()
+    return f'{{"{TASK_TAG}": {seq}' + ("}" if rest.startswith("}") else ", " + rest)
+
+
+def reported_error(error: Any) -> dict[str, Any]:
+    """A program's own `error` as a task's: `{type, message}` (and the runner's bounded `traceback`, `field`).
+
+    `type` is a short identifier, "failed" when it gives none; one only Turnout decides (a timeout, a lost
+    worker: see TURNOUT_VERDICTS) is not taken from a program, and the message says what it claimed. Its
+    other fields are kept as they are while they are small (MAX_ERROR_EXTRA characters of JSON), else dropped
+    with a note in the message."""
+    fields = error if isinstance(error, dict) else {"message": error}
+    claimed, message = fields.get("type"), fields.get("message")
+    if not isinstance(message, str):
+        message = "" if message is None else _short_json(message, ERROR_MESSAGE_CHARS)
+    message = message or "the worker program reported failure"
+    kind = "failed"
+    if claimed is None:
+        pass
+    elif not isinstance(claimed, str) or not ERROR_TYPE.match(claimed):
+        message = f"(it reported an error type that is not a short identifier: {_short_json(claimed, 100)}) {message}"
+    elif claimed in TURNOUT_VERDICTS:
+        message = f"(it reported error type {claimed!r}, which only Turnout decides) {message}"
+    else:
+        kind = claimed
+    out: dict[str, Any] = {"type": kind, "message": readable(message, ERROR_MESSAGE_CHARS)}
+    for key, limit in (("traceback", 8000), ("field", 300)):
+        if isinstance(fields.get(key), str):
+            out[key] = readable(fields[key], limit)
+    rest = {k: v for k, v in fields.items() if k not in ("type", "message", "traceback", "field")}
+    try:  # NaN counts here: what JSON cannot carry fails the task naming it (`reports.checked_completion`)
+        size = len(json.dumps(rest, ensure_ascii=False)) if rest else 0
+    except (ValueError, TypeError, RecursionError):
+        size = MAX_ERROR_EXTRA + 1
+    if size <= MAX_ERROR_EXTRA:
+        out.update({k: v for k, v in rest.items() if k not in out})
+    else:
+        out["message"] = readable(f"{out['message']} (its other fields, {size:,} characters, were dropped)",
+                                  ERROR_MESSAGE_CHARS)  # fmt: skip
+    return out
+
+
+def _short_json(value: Any, limit: int) -> str:
+    try:
+        text = json.dumps(value, allow_nan=False, ensure_ascii=False)
+    except (ValueError, TypeError, RecursionError):
+        text = "(not JSON)"
+    return readable(text, limit)
+
+
+def _item_errors(value: Any) -> list[dict[str, Any] | None] | None:
+    """A batch's per-item errors as the runner wrote them, each a reported error; None when there are none."""
+    if not isinstance(value, list) or not any(isinstance(e, dict) for e in value):
+        return None
+    return [reported_error(e) if isinstance(e, dict) else None for e in value]
+
+
+def _finish_facts(event: dict[str, Any], spawned_at: float | None = None) -> dict[str, Any]:
+    """What a `finish` event may say about the process (the Python runner says it; other programs may too).
+
+    `ready_at` counts only when it is a time between the process's start and now: a program may say anything."""
     out: dict[str, Any] = {}
     ready = event.get("ready_at")
-    if isinstance(ready, int | float) and not isinstance(ready, bool):
-        out["ready_at"] = float(ready)
+    if isinstance(ready, int | float) and not isinstance(ready, bool) and math.isfinite(ready):
+        when = float(ready)
+        if spawned_at is not None and spawned_at <= when <= time.time():
+            out["ready_at"] = when
     for key in ("peak_rss_bytes", "peak_gpu_memory_bytes"):
         value = event.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**53:

@@ -12,6 +12,7 @@ Pure functions only, and no HTTP client: warm handler processes import this modu
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from turnout.jsonsafe import problem
@@ -19,6 +20,21 @@ from turnout.jsonsafe import problem
 INVALID_OUTPUT = "invalid_output"
 MAX_PATH_CHARS = 300
 MAX_MESSAGE_CHARS = 2000
+# The Python runner tags each line it writes with the number of the task it belongs to (the worker gives it in
+# the task's line), first in the object, so a line a handler's thread writes after its task ended is known.
+TASK_TAG = "turnout_seq"
+EVENT_NAME = re.compile(r"[a-z][a-z0-9_.-]{0,63}\Z")
+# written by the runner for a handler's return, never emitted by a handler
+PROTOCOL_EVENTS = frozenset({"result", "finish"})
+
+
+def event_name_problem(name: object) -> str | None:
+    """Why `name` cannot name an event (None when it can): a short lower-case identifier, as the events
+    stream writes it in its `event:` line. The reason quotes the name bounded and printable."""
+    if isinstance(name, str) and EVENT_NAME.match(name):
+        return None
+    shown = readable(repr(name), 80) if isinstance(name, str) else f"of type {type(name).__name__}"
+    return f"event name {shown} is not a short identifier (a-z first, then a-z, 0-9, _ . -; 64 at most)"
 
 
 class InvalidOutput(ValueError):

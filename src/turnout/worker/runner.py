@@ -28,7 +28,7 @@ from typing import Any
 
 from turnout.jsonsafe import problem
 from turnout.worker import lifeline
-from turnout.worker.reports import InvalidOutput, invalid_output, readable
+from turnout.worker.reports import TASK_TAG, InvalidOutput, invalid_output, readable
 
 
 def _error(exc: BaseException) -> dict[str, Any]:
@@ -56,19 +56,38 @@ def encode(event: dict[str, Any]) -> str:
     return json.dumps(event, allow_nan=False)
 
 
-def result_lines(result: Any, run_s: float, facts: dict[str, Any] | None = None) -> list[str]:
+def result_lines(result: Any, run_s: float, facts: dict[str, Any] | None = None, *, tag: int | None = None,
+                 items: int | None = None) -> list[str]:  # fmt: skip
     """The `result` and `finish` lines of a handler's return value, or a failed `finish` saying what JSON
-    cannot carry and where. Checked before anything is written, so the stream never holds half a report."""
-    where = problem(result, "output")
-    if where is not None:
-        error = invalid_output(*where)
-    else:
-        try:
-            return [encode({"event": "result", "data": result}),
-                    encode({"event": "finish", "status": "completed", "run_s": run_s, **(facts or {})})]  # fmt: skip
-        except (ValueError, TypeError, RecursionError) as exc:  # e.g. an int longer than Python will print
-            error = invalid_output("output", f"cannot be written as JSON: {type(exc).__name__}: {exc}")
-    return [encode({"event": "finish", "status": "failed", "error": error, "run_s": run_s, **(facts or {})})]
+    cannot carry and where. Checked before anything is written, so the stream never holds half a report.
+
+    `tag`: the task's number, written first in each line. `items`: a batch's size; a list of that many
+    outputs is checked item by item, and an item JSON cannot carry fails only its own task: its place in
+    `data` is null and `item_errors` holds its error (the path is the task's own, `output.score`)."""
+    head: dict[str, Any] = {TASK_TAG: tag} if tag is not None else {}
+    finish = {**head, "event": "finish", "status": "completed", "run_s": run_s, **(facts or {})}
+    try:
+        if items is not None and isinstance(result, list) and len(result) == items:
+            wheres = [problem(item, "output") for item in result]
+            if any(wheres):
+                errors = [invalid_output(*where) if where else None for where in wheres]
+                data = [None if where else item for item, where in zip(result, wheres, strict=True)]
+                return [
+                    encode({**head, "event": "result", "data": data, "item_errors": errors}),
+                    encode(finish),
+                ]
+        where = problem(result, "output")
+        if where is not None:
+            error = invalid_output(*where)
+        else:
+            return [encode({**head, "event": "result", "data": result}), encode(finish)]
+    except (ValueError, TypeError, RecursionError) as exc:  # e.g. an int longer than Python will print
+        error = invalid_output("output", f"cannot be written as JSON: {type(exc).__name__}: {exc}")
+    return [
+        encode(
+            {**head, "event": "finish", "status": "failed", "error": error, "run_s": run_s, **(facts or {})}
+        )
+    ]
 
 
 def _limit_torch_memory() -> None:
@@ -166,8 +185,9 @@ def main(argv: list[str]) -> int:
             proto.write("".join(f"{line}\n" for line in lines))
             proto.flush()
 
-    def send(obj: dict[str, Any]) -> None:
-        write(encode(obj))
+    def send(obj: dict[str, Any], tag: int | None = 0) -> None:
+        """One line of the task numbered `tag` (0: setup, before the first task)."""
+        write(encode({TASK_TAG: tag, **obj} if tag is not None else obj))
 
     from turnout.worker.app import BatchContext, Context, load_app
 
@@ -199,11 +219,14 @@ def main(argv: list[str]) -> int:
         if not line.strip():
             continue
         task = json.loads(line)
+        # the worker numbers its tasks; each line of this task says its number, so none is taken for another's
+        tag = task.get(TASK_TAG)
+        tag = tag if type(tag) is int else None
         items = task["batch"] if batched and isinstance(task.get("batch"), list) else [task]
         head = items[0]
         ctx: Context = (BatchContext if batched else Context)(
             task_id=head.get("task_id", ""), attempt=head.get("attempt", 1), device=torch_device,
-            gpus=head.get("gpus", []), sink=proto, lock=lock,
+            gpus=head.get("gpus", []), sink=proto, lock=lock, tag=tag,
             # a batch's handler reads every input's files; only a single task collects an output directory
             files={k: v for i in items for k, v in (i.get("files") or {}).items()},
             output_dir=None if batched else head.get("output_dir"),
@@ -217,11 +240,14 @@ def main(argv: list[str]) -> int:
         try:
             data = [i.get("input") for i in items] if batched else head.get("input")
             result = hv.handler(ctx, data)
+            ctx._end()  # what its threads emit from now on is dropped: it would be read as no task's
             facts.update(_peaks())
-            write(*result_lines(result, time.time() - started, facts))
+            write(*result_lines(result, time.time() - started, facts, tag=tag,
+                                items=len(items) if batched else None))  # fmt: skip
         except (
             InvalidOutput
         ) as exc:  # an event JSON cannot carry: refused at ctx.emit, before any was written
+            ctx._end()
             facts.update(_peaks())
             error = invalid_output(exc.path, exc.why)
             send(
@@ -231,15 +257,17 @@ def main(argv: list[str]) -> int:
                     "error": error,
                     "run_s": time.time() - started,
                     **facts,
-                }
+                },
+                tag,
             )
         except BaseException as exc:  # a handler's failure is its task's failure, never the process's
+            ctx._end()
             facts.update(_peaks())
             if isinstance(exc, KeyboardInterrupt | SystemExit):
-                send({"event": "finish", "status": "failed", "error": _error(exc), **facts})
+                send({"event": "finish", "status": "failed", "error": _error(exc), **facts}, tag)
                 return 1
             send({"event": "finish", "status": "failed", "error": _error(exc), "run_s": time.time() - started,
-                  **facts})  # fmt: skip
+                  **facts}, tag)  # fmt: skip
     return 0
 
 
