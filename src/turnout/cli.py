@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 from turnout.cli_files import file_app, file_flag, with_file
 from turnout.config import DEFAULT_PORT, parse_limit_flags
@@ -31,6 +31,7 @@ app.add_typer(token_app, name="token")
 app.add_typer(file_app, name="file")  # turnout file put|get|delete (cli_files.py)
 out = Console()
 err = Console(stderr=True)
+ID_WIDTH = 26  # `t_` and 24 hex digits (`models.new_id`)
 
 
 def main() -> None:
@@ -41,6 +42,8 @@ def main() -> None:
         app()
     except TurnoutError as exc:
         _die(error_line(exc.message, fix_for(exc)))
+    except httpx.InvalidURL as exc:  # not an HTTPError: a URL httpx cannot parse
+        _die(error_line(f"url: {exc}", fix_for(InvalidInput("", field="url"))))
     except httpx.HTTPError as exc:
         _die(error_line(f"the controller connection failed: {exc or type(exc).__name__}",
                         "check TURNOUT_URL, then `turnout doctor`"))  # fmt: skip
@@ -123,6 +126,7 @@ def up(
     from turnout.runtime import build_controller, default_db, listen, serve, wait_healthy
 
     _logging(verbose, log_format)
+    _check_local_worker(app_ref, gpus, presets)  # before anything listens, is made or printed
     sock = listen(host, port)
     state = _home(home)
     if config is None and not app_ref:  # the demo app's prices and classify pipeline (src/turnout/demo.yaml)
@@ -133,11 +137,13 @@ def up(
                              storage=storage)  # fmt: skip
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     where = "in memory: nothing survives a restart" if db.startswith("memory://") else f"in {state}"
-    out.print(f"[bold]Turnout[/bold] controller at {url}  (state {where})")
+    out.print(f"[bold]Turnout[/bold] controller at {url}  (state {where})", soft_wrap=True)
     if parts.admin_token:
         out.print(
-            f"admin token: {parts.admin_token}\n  (saved to {state / 'admin.token'}; the CLI and SDK find it there)"
+            f"admin token: {parts.admin_token}\n  (saved to {state / 'admin.token'}; the CLI and SDK find it there)",
+            soft_wrap=True,
         )
+    _previous_token_line(parts.previous_admin_token)
     worker_cmd = [sys.executable, "-m", "turnout.cli", "worker", *(app_ref or ["turnout.demo:app"]), "--controller", url,
                   "--gpus", gpus, "--name", "local", "--log-format", log_format, *(["-v"] if verbose else [])]  # fmt: skip
     if presets:
@@ -146,17 +152,26 @@ def up(
     if parts.admin_token:
         env["TURNOUT_TOKEN"] = parts.admin_token
     worker: dict[str, subprocess.Popen[bytes]] = {}
+    failed: list[int] = []
+    stop = threading.Event()
 
     def start_worker() -> None:
-        if wait_healthy(url):
-            worker["p"] = subprocess.Popen(worker_cmd, env=env)
-            out.print(
-                f'local worker started (gpus={gpus}); try:  turnout submit shout --input \'{{"text": "hi"}}\' --wait'
-            )
+        if not wait_healthy(url):
+            return
+        before = _local_workers(url, parts.admin_token)
+        proc = worker["p"] = subprocess.Popen(worker_cmd, env=env)
+        if _registered(url, parts.admin_token, before, proc):
+            out.print(f'local worker started (gpus={gpus}); try:  turnout submit shout --input \'{{"text": "hi"}}\' '
+                      "--wait", soft_wrap=True)  # fmt: skip
+        elif proc.returncode is not None:  # it died as it started: up stops too, rather than serve no worker
+            failed.append(proc.returncode)
+            err.print(f"error: the local worker exited with code {proc.returncode} as it started; its error is "
+                      "above (fix: check --app, --gpus and --presets)", markup=False, highlight=False, soft_wrap=True)  # fmt: skip
+            stop.set()  # the server shuts down as on Ctrl-C, and up exits 2 below
 
     threading.Thread(target=start_worker, daemon=True).start()
     try:
-        serve(parts.service, sock)
+        serve(parts.service, sock, stop=stop)
     finally:
         if "p" in worker:
             worker["p"].send_signal(signal.SIGTERM)
@@ -164,6 +179,65 @@ def up(
                 worker["p"].wait(timeout=10)
             except subprocess.TimeoutExpired:
                 worker["p"].kill()
+    if failed:
+        raise typer.Exit(2)
+
+
+def _check_local_worker(app_refs: list[str], gpus: str, presets: Path | None) -> None:
+    """What `up`'s local worker would refuse as it starts, refused by `up` itself: a `--gpus` spec that is not
+    one, a `--presets` file that does not load, a `--app` module that cannot be found (not imported here)."""
+    import importlib.util
+
+    from turnout.gpu.provider import discover
+
+    if gpus.strip().lower() != "auto" and not gpus.replace(",", "").strip().isdigit():
+        discover(gpus)  # none and fake:SPEC are quick; anything else that is not a spec raises
+    if presets is not None:
+        from turnout.worker.presets import load_presets
+
+        load_presets(presets)
+    for ref in app_refs:
+        module, sep, attr = ref.partition(":")
+        if not sep or not module or not attr:
+            raise InvalidInput(f"--app: expected MODULE:APP, got {ref!r}", field="app")
+        sys.path.insert(0, os.getcwd())  # where the worker looks too
+        try:
+            found = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            found = None
+        finally:
+            sys.path.pop(0)
+        if found is None:
+            raise InvalidInput(f"--app: no module named {module!r} (from {ref!r}) on the Python path or in the "
+                               "current directory", field="app")  # fmt: skip
+
+
+def _local_workers(url: str, token: str | None) -> set[str] | None:
+    """Ids of the workers named `local` now; None where the controller cannot be asked."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        resp = httpx.get(f"{url}/v1/workers", headers=headers, timeout=5.0)
+        return {w["id"] for w in resp.json()["workers"] if w.get("name") == "local"}
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _registered(url: str, token: str | None, before: set[str] | None, proc: subprocess.Popen[bytes]) -> bool:
+    """Wait until `proc` registers as a new worker named `local` (True) or exits (False)."""
+    import time
+
+    while proc.poll() is None:
+        now = _local_workers(url, token)
+        if now is None or before is None or now - before:
+            return proc.poll() is None
+        time.sleep(0.1)
+    return False
+
+
+def _previous_token_line(kept: Path | None) -> None:
+    if kept is not None:
+        err.print(f"note: the admin.token that was there is not valid for this database; it was kept as {kept} "
+                  "(it may be another database's operator token)", markup=False, highlight=False, soft_wrap=True)  # fmt: skip
 
 
 @app.command()
@@ -189,18 +263,18 @@ def controller(
     verbose: bool = typer.Option(False, "-v", "--verbose"),
 ) -> None:
     """The controller only (state in SQLite or PostgreSQL)."""
-    from turnout.runtime import build_controller, default_db, listen, serve
+    from turnout.runtime import build_controller, check_tls_files, default_db, listen, serve
 
     _logging(verbose, log_format)
-    if bool(tls_cert) != bool(tls_key):
-        raise InvalidInput("--tls-cert and --tls-key go together", field="tls-cert")
+    check_tls_files(tls_cert, tls_key)  # before anything listens, is made or printed
     sock = listen(host, port)
     state = _home(home)
     parts = build_controller(db=db or default_db(state), home=state, config=config, auth=not no_auth, host=host,
                              heartbeat_s=heartbeat_s, limit_flags=parse_limit_flags(request_limit),
                              storage=storage)  # fmt: skip
     if parts.admin_token:
-        out.print(f"admin token: {parts.admin_token}  (saved to {state / 'admin.token'})")
+        out.print(f"admin token: {parts.admin_token}  (saved to {state / 'admin.token'})", soft_wrap=True)
+    _previous_token_line(parts.previous_admin_token)
     scheme = "https" if tls_cert else "http"
     out.print(f"Turnout controller at {scheme}://{host}:{port}")
     serve(parts.service, sock, tls_cert=tls_cert, tls_key=tls_key)
@@ -335,7 +409,7 @@ def _json_arg(text: str, name: str) -> Any:
 @app.command()
 def submit(
     capability: str,
-    input: str = typer.Option("null", "--input", "-i", help="The task input as JSON."),
+    input: str | None = typer.Option(None, "--input", "-i", help="The task input as JSON (default null)."),
     inputs: Path | None = typer.Option(
         None,
         "--inputs",
@@ -355,13 +429,18 @@ def submit(
     from turnout.cli_output import follow as show_events
     from turnout.cli_output import summary
 
-    options: dict[str, Any] = {"priority": priority, "gpu": gpu}
+    options: dict[str, Any] = {"priority": priority, "gpu": _gpu_flag(gpu)}
     if timeout_s is not None:
         options["timeout_s"] = timeout_s
     if inputs is not None:
-        _submit_many(capability, inputs, options, wait or follow, as_json)
+        # each would apply to one task and be dropped for the rest: refused, never ignored
+        for flag, given in (("--input", input is not None), ("--file", bool(file)), ("--follow", follow)):
+            if given:
+                hint = " (use --wait)" if flag == "--follow" else " (put it in each line of the file)"
+                raise InvalidInput(f"{flag} cannot be combined with --inputs{hint}", field=flag.lstrip("-"))
+        _submit_many(capability, inputs, options, wait, as_json)
         return
-    data = _json_arg(input, "--input")
+    data = _json_arg("null" if input is None else input, "--input")
     named = [file_flag(f) for f in file]
     with _client() as client:
         for name, path in named:
@@ -387,18 +466,34 @@ def submit(
         raise typer.Exit(1)
 
 
+def _gpu_flag(gpu: str) -> str | bool:
+    """`--gpu true|false` as the booleans the API takes for them; any other word as it is."""
+    return {"true": True, "false": False}.get(gpu.strip().lower(), gpu)
+
+
 def _submit_many(capability: str, path: Path, options: dict[str, Any], wait: bool, as_json: bool) -> None:
-    from turnout.cli_output import counts_line, read_inputs, submit_many
+    from turnout.cli_output import PartlySubmitted, counts_line, numbered_inputs, submit_many
 
     if str(path) == "-":
         lines = sys.stdin.read().splitlines()
     else:
         lines = read_user_file(path, "--inputs").splitlines()
-    specs = [{"capability": capability, "input": data, **options} for data in read_inputs(lines, str(path))]
+    numbered = list(numbered_inputs(lines, str(path)))
+    specs = [{"capability": capability, "input": data, **options} for _, data in numbered]
     if not specs:
         raise InvalidInput(f"--inputs: {path} holds no inputs (one JSON value per line)", field="inputs")
     with _client() as client:
-        done = submit_many(client, specs, err, wait=wait)
+        try:
+            done = submit_many(
+                client, specs, err, wait=wait, lines=[n for n, _ in numbered], source=str(path)
+            )
+        except PartlySubmitted as partly:  # what was accepted is queued: say so, by id, before the error
+            if as_json:
+                out.print_json(json.dumps({"tasks": partly.submitted}))
+            else:
+                for t in partly.submitted:
+                    print(f"{t['id']}\t{t['state']}")
+            raise partly.error from None
     if as_json:
         out.print_json(json.dumps({"tasks": done}))
     else:
@@ -425,7 +520,7 @@ def run_pipeline(
     """Run a pipeline: a live display of each stage (state, device, seconds), then a cost table."""
     from turnout.cli_runs import cost_table, follow_run, saving_line
 
-    options = {"gpu": gpu} if gpu else {}
+    options = {"gpu": _gpu_flag(gpu)} if gpu else {}
     with _client() as client:
         run = client.run_pipeline(pipeline, _json_arg(input, "--input"), **options)
         if as_json:
@@ -479,12 +574,13 @@ def tasks(
     if as_json:
         out.print_json(json.dumps(body))
         return
-    table = Table("id", "capability", "state", "device", "worker", "attempts", "run_s", "reason")
+    # the task id whole, never cut (`turnout task ID` takes it): the other columns give way to it
+    table = Table(_id_column("id"), "capability", "state", "device", "worker", "attempts", "run_s", "reason")
     for t in body["tasks"]:
-        table.add_row(t["id"], t["capability"], t["state"], t["device"] or "", (t["worker"] or "")[:14],
+        table.add_row(t["id"], t["capability"], t["state"], t["device"] or "", t["worker"] or "",
                       str(t["attempts"]), f"{t['run_s']:.3f}" if t["run_s"] is not None else "",
                       (t.get("routing") or {}).get("reason", ""))  # fmt: skip
-    out.print(table)
+    _print_table(table)
 
 
 @app.command()
@@ -495,17 +591,34 @@ def status(as_json: bool = typer.Option(False, "--json")) -> None:
     if as_json:
         out.print_json(json.dumps({"workers": workers, "capabilities": caps}))
         return
-    wt = Table("worker", "name", "state", "cpu", "gpus", "running", "capabilities", title="Workers")
+    wt = Table(
+        _id_column("worker"), "name", "state", "cpu", "gpus", "running", "capabilities", title="Workers"
+    )
     for w in workers:
         gpus = ", ".join(_gpu_line(g) for g in w["gpus"]) or "-"
         wt.add_row(w["id"], w["name"], w["state"], str(w["resources"]["cpu"]), gpus, str(w["active_tasks"]),
                    ", ".join(w["capabilities"]))  # fmt: skip
-    out.print(wt)
+    _print_table(wt)
     ct = Table("capability", "variants", "queued", "running", title="Capabilities")
     for c in caps:
         variants = ", ".join(f"{v['device']} ({len(v['workers'])} workers)" for v in c["variants"])
         ct.add_row(c["name"], variants or "-", str(c["queue_depth"]), str(c["running"]))
-    out.print(ct)
+    _print_table(ct)
+
+
+def _print_table(table: Table) -> None:
+    """A table on stdout: as wide as the terminal, and in a pipe (where rich would assume 80 columns) as wide as
+    its rows need, so a script reading it gets every value whole."""
+    if out.is_terminal:
+        out.print(table)
+        return
+    wide = Console(file=out.file, width=max(out.width, 400), color_system=None, highlight=False)
+    wide.print(table)
+
+
+def _id_column(header: str) -> Column:
+    """A column of ids: never wrapped or cut with an ellipsis, however narrow the terminal (or a pipe's 80)."""
+    return Column(header, no_wrap=True, min_width=ID_WIDTH, overflow="fold")
 
 
 def _gpu_line(g: dict[str, Any]) -> str:

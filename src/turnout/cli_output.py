@@ -7,6 +7,7 @@ lines, progress bars, summaries) goes to stderr, so `turnout submit ... --follow
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -35,6 +36,10 @@ def fix_for(exc: TurnoutError) -> str:
     """The one thing to try next for an error the CLI shows."""
     if exc.field == "port":
         return "choose another --port, or stop what listens there"
+    if exc.field == "host":
+        return "give --host an address of this machine (127.0.0.1 for this host only, 0.0.0.0 for every interface)"
+    if exc.field == "url":  # the URL is malformed, or what answers there is not a controller
+        return "point TURNOUT_URL (or --controller) at a Turnout controller, e.g. http://127.0.0.1:8750"
     if isinstance(exc, StorageFull):
         return "free space on that disk, then start again"
     if exc.field == "db":
@@ -50,17 +55,38 @@ def fix_for(exc: TurnoutError) -> str:
     if isinstance(exc, Forbidden):
         return "use a token with that role (turnout token create --role ROLE)"
     if isinstance(exc, NotFound):
-        return "check the id; `turnout tasks` lists recent tasks (another tenant's tasks are not visible)"
+        return _not_found_fix(exc)
     if isinstance(exc, RateLimited):
         return f"wait {exc.retry_after_s:g} s and retry"
     if isinstance(exc, PayloadTooLarge):
-        return ("send less, or have the controller's operator raise the limit it names "
-                "(`turnout controller --request-limit NAME=VALUE`, or request_limits: in turnout.yaml)")
+        return (
+            "send less, or have the controller's operator raise the limit it names "
+            "(`turnout controller --request-limit NAME=VALUE`, or request_limits: in turnout.yaml)"
+        )
     if isinstance(exc, InvalidInput):
+        if CONFIG_ERROR.match(exc.message):  # turnout.yaml's errors begin with the file's name
+            return "correct that key in the file (README: turnout.yaml), then start again"
         return "see `turnout COMMAND --help` for the accepted values"
     if isinstance(exc, Conflict):
         return "`turnout task ID` shows its current state"
     return "run `turnout doctor` to check this host and its controller"
+
+
+CONFIG_ERROR = re.compile(r"^\S+\.ya?ml: ")
+
+
+def _not_found_fix(exc: NotFound) -> str:
+    """What to check for a 404, by what was not found (the message names it)."""
+    message = exc.message.lower()
+    if message.startswith(("pipeline run ", "run ")):
+        return "check the run id that `turnout run` printed (another tenant's runs are not visible)"
+    if message.startswith("pipeline "):
+        return "`turnout run` takes a pipeline defined under pipelines: in the controller's turnout.yaml"
+    if message.startswith("token "):
+        return "check the id; `turnout token list` lists the tokens you may manage"
+    if message.startswith("file "):
+        return "check the id; files expire after the controller's file_retention_s"
+    return "check the id; `turnout tasks` lists recent tasks (another tenant's tasks are not visible)"
 
 
 def error_line(message: str, fix: str) -> str:
@@ -150,26 +176,82 @@ def _status_line(event: dict[str, Any]) -> str | None:
 
 def read_inputs(lines: Iterable[str], source: str) -> Iterator[Any]:
     """One task input per non-empty line of JSON; a bad line is an error naming the file and line."""
+    for _, data in numbered_inputs(lines, source):
+        yield data
+
+
+def numbered_inputs(lines: Iterable[str], source: str) -> Iterator[tuple[int, Any]]:
+    """(line number, input) for each non-empty line of JSON; a bad line is an error naming the file and line."""
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            yield json.loads(line)
+            yield number, json.loads(line)
         except ValueError as exc:
             raise InvalidInput(
                 f"--inputs: {source} line {number} is not JSON ({exc})", field="inputs"
             ) from None
 
 
+class PartlySubmitted(Exception):
+    """A batch was refused after earlier ones were accepted: `submitted` holds those tasks (the caller shows
+    their ids, so nothing runs unseen), `error` the refusal, said of the file's line."""
+
+    def __init__(self, submitted: list[dict[str, Any]], error: TurnoutError) -> None:
+        super().__init__(error.message)
+        self.submitted = submitted
+        self.error = error
+
+
+def _of_line(exc: TurnoutError, start: int, lines: Sequence[int], source: str, sent: int) -> TurnoutError:
+    """The refusal of the batch that began at spec `start`, said of the line of `source` it is about
+    (`tasks.3.input: ...` -> `--inputs: FILE line 1204: input: ...`), and of what was already submitted."""
+    message, field = exc.message, exc.field
+    prefix, _, rest = (field or "").partition(".")
+    index, _, inner = rest.partition(".")
+    if prefix == "tasks" and index.isdigit() and start + int(index) < len(lines):
+        message = f"line {lines[start + int(index)]}: " + message.removeprefix(f"tasks.{index}.")
+        field = inner or None
+    message = (
+        f"--inputs: {source} {message}" if message.startswith("line ") else f"--inputs: {source}: {message}"
+    )
+    if sent:
+        message += (f"; the {sent} inputs before it (lines {lines[0]}-{lines[sent - 1]}) were submitted, their "
+                    "ids are on stdout: submit only the lines after them again")  # fmt: skip
+    else:
+        message += "; nothing was submitted"
+    if isinstance(exc, RateLimited):
+        return RateLimited(message, retry_after_s=exc.retry_after_s, field=field)
+    try:
+        return type(exc)(message, field=field)
+    except TypeError:  # an error class with a constructor of its own
+        return exc
+
+
 def submit_many(
-    client: Any, specs: Sequence[dict[str, Any]], err: Console, *, wait: bool
+    client: Any,
+    specs: Sequence[dict[str, Any]],
+    err: Console,
+    *,
+    wait: bool,
+    lines: Sequence[int] | None = None,
+    source: str = "-",
 ) -> list[dict[str, Any]]:
-    """Submit in batches of the API's limit with a progress bar; with `wait`, a second bar as tasks finish."""
+    """Submit in batches of the API's limit with a progress bar; with `wait`, a second bar as tasks finish.
+
+    A refused batch raises PartlySubmitted with the tasks accepted before it; its error names the line of
+    `source` (`lines[i]` is spec i's line) that was refused, and which lines went."""
+    lines = lines if lines is not None else range(1, len(specs) + 1)
     submitted: list[dict[str, Any]] = []
     with _progress(err) as bars:
         sending = bars.add_task("submitting", total=len(specs))
         for start in range(0, len(specs), BATCH):
-            handles = client.submit_batch(list(specs[start : start + BATCH]))
+            try:
+                handles = client.submit_batch(list(specs[start : start + BATCH]))
+            except TurnoutError as exc:
+                raise PartlySubmitted(
+                    submitted, _of_line(exc, start, lines, source, len(submitted))
+                ) from None
             submitted += [h.task for h in handles]
             bars.advance(sending, len(handles))
         if not wait:

@@ -10,12 +10,14 @@ print(client.run("shout", {"text": "hi"}, timeout=30)["output"])   # submit and 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
 import math
 import os
 import random
+import re
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Iterator
 from pathlib import Path
@@ -34,6 +36,7 @@ from turnout.errors import (
     number,
 )
 from turnout.jsonsafe import problem
+from turnout.models import CAPABILITY_NAME
 from turnout.tls import async_client, bearer
 
 T = TypeVar("T")
@@ -57,6 +60,21 @@ def default_url() -> str:
     return os.environ.get("TURNOUT_URL") or f"http://127.0.0.1:{DEFAULT_PORT}"
 
 
+def controller_url(url: Any) -> str:
+    """The controller's base URL, checked: `http://` or `https://` with a host. A malformed one (`http://[::1`,
+    `localhost:8750`) is an InvalidInput naming `url`, before any request."""
+    if not isinstance(url, str):
+        raise InvalidInput(f"url: expected the controller's URL as a string, got {url!r}", field="url")
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError, ValueError) as exc:
+        raise InvalidInput(f"url: {url!r} is not a URL ({exc})", field="url") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise InvalidInput(f"url: {url!r} is not an http:// or https:// URL with a host, "
+                           f"e.g. http://127.0.0.1:{DEFAULT_PORT}", field="url")  # fmt: skip
+    return url.rstrip("/")
+
+
 def default_ca_cert() -> Path | None:
     """A private CA to trust for an https controller: `TURNOUT_CA_CERT` (a PEM file), else the system's."""
     value = os.environ.get("TURNOUT_CA_CERT")
@@ -68,22 +86,103 @@ def default_token() -> str | None:
         return os.environ["TURNOUT_TOKEN"]
     path = Path(os.environ.get("TURNOUT_HOME") or "~/.turnout").expanduser() / "admin.token"
     try:
-        return path.read_text().strip() or None
+        return path.read_text(encoding="utf-8").strip() or None
     except OSError:
         return None
+    except UnicodeDecodeError:
+        raise InvalidInput(f"token: {path} is not UTF-8 text, so it holds no Turnout token; set TURNOUT_TOKEN, "
+                           "or remove the file", field="token") from None  # fmt: skip
 
 
-def raise_for_error(resp: httpx.Response) -> None:
+# What each kind of id looks like before it goes into a URL path (`models.new_id`, `blobs.new_file_id`,
+# `auth.TokenBook.create`): its prefix, then letters, digits, `_` or `-`. Checked, not only quoted: `../workers`
+# or `t_x?wait=1` would reach another route, and the CLI would show that route's answer as the object asked for.
+ID_PREFIXES = {"task id": "t_", "run id": "r_", "file id": "f_", "token id": "k_"}
+_ID_TAIL = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+def path_id(value: Any, kind: str) -> str:
+    """`value` where it is an id of `kind` (`task id`, `run id`, `file id`, `token id`), safe as one URL path
+    segment; else an InvalidInput naming it: `task id: '../v1/workers' is not a task id (t_...)`."""
+    prefix = ID_PREFIXES[kind]
+    if isinstance(value, str) and value.startswith(prefix) and _ID_TAIL.fullmatch(value[len(prefix) :]):
+        return value
+    field = kind.replace(" ", "_")
+    raise InvalidInput(f"{kind}: {value!r} is not a {kind} ({prefix}... as Turnout made it)", field=field)
+
+
+def pipeline_name(value: Any) -> str:
+    """A pipeline's name as turnout.yaml may define it (the shape of a capability name), safe in a URL path."""
+    if isinstance(value, str) and CAPABILITY_NAME.fullmatch(value):
+        return value
+    raise InvalidInput(f"pipeline: {value!r} is not a pipeline name (lower-case letters, digits, _ . -)",
+                       field="pipeline")  # fmt: skip
+
+
+class NotAController(Unavailable):
+    """What answered at the client's URL is not a Turnout controller (a web page, a redirect, another API)."""
+
+    def __init__(self, url: str, what: str) -> None:
+        super().__init__(f"{url} did not answer as a Turnout controller ({what})", field="url")
+        self.url = url
+
+
+def what_came(resp: httpx.Response) -> str:
+    """`HTTP 200 text/html`, `HTTP 307 redirect to /v1/tasks`: what an answer was, for a message."""
+    kind = resp.headers.get("content-type", "").split(";")[0].strip() or "no content type"
+    if 300 <= resp.status_code < 400:
+        return f"HTTP {resp.status_code} redirect to {resp.headers.get('location', '?')}"
+    return f"HTTP {resp.status_code} {kind}"
+
+
+def _origin(resp: httpx.Response) -> str:
+    """`http://host:port` of the request `resp` answers, for a message."""
+    try:
+        url = resp.request.url
+    except RuntimeError:  # a response made by hand, with no request
+        return "the server"
+    return f"{url.scheme}://{url.netloc.decode('ascii', 'replace')}"
+
+
+def _turnout_error(resp: httpx.Response) -> dict[str, Any] | None:
+    """The `{"error": {...}}` a Turnout controller answers a refusal with; None for any other body."""
+    if "json" not in resp.headers.get("content-type", ""):
+        return None
+    try:
+        err = resp.json().get("error")
+    except (ValueError, AttributeError):
+        return None
+    return err if isinstance(err, dict) else None
+
+
+def json_body(resp: httpx.Response, url: str) -> Any:
+    """The JSON of a Turnout answer (after `raise_for_error`); anything else (a 2xx web page, a 3xx, JSON that
+    is not Turnout's) is a NotAController naming `url` and what came back, never a JSONDecodeError."""
+    raise_for_error(resp, url)
+    if 200 <= resp.status_code < 300 and "json" in resp.headers.get("content-type", ""):
+        try:
+            return resp.json()
+        except ValueError:
+            pass
+    raise NotAController(url, what_came(resp))
+
+
+# What a proxy in front of a controller may answer on its own (a body of its own, not Turnout's): kept as the
+# class its status maps to. Any other status with a body that is not Turnout's is not a controller answering.
+PROXY_STATUSES = frozenset({401, 403, 407, 413, 429, 502, 503, 504})
+
+
+def raise_for_error(resp: httpx.Response, url: str | None = None) -> None:
     """Raise the controller's error as the class it maps to: InvalidInput (422, `.field` names what to fix),
     Conflict (409, e.g. an idempotency_key reused for another request), PayloadTooLarge (413, the message
-    names the limit), RateLimited (429, `.retry_after_s`), ... An answer from a proxy keeps its status."""
+    names the limit), RateLimited (429, `.retry_after_s`), ... An answer from a proxy keeps its status; any
+    other refusal that is not Turnout's (a web server's 404 page) is a NotAController naming `url`."""
     if resp.status_code < 400:
         return
-    try:
-        err = resp.json().get("error", {})
-        if not isinstance(err, dict):
-            raise ValueError
-    except ValueError:
+    err = _turnout_error(resp)
+    if err is None:
+        if resp.status_code not in PROXY_STATUSES:
+            raise NotAController(url or _origin(resp), what_came(resp))
         err = {"message": f"HTTP {resp.status_code}: {resp.text[:200]}"}
     message = err.get("message") or f"HTTP {resp.status_code}"
     if resp.status_code == 429:
@@ -152,8 +251,13 @@ class AsyncClient:
         submit_window_s: float = SUBMIT_WINDOW_S,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        self.url = (url or default_url()).rstrip("/")
-        self.rate_limit_wait_s = rate_limit_wait_s
+        self.url = controller_url(url or default_url())
+        timeout_s = number(timeout_s, "timeout_s", "a number of seconds > 0", lambda v: v > 0)
+        self.rate_limit_wait_s = number(rate_limit_wait_s, "rate_limit_wait_s", "a number of seconds >= 0",
+                                        lambda v: v >= 0)  # fmt: skip
+        submit_window_s = number(
+            submit_window_s, "submit_window_s", "a number of seconds >= 0", lambda v: v >= 0
+        )
         headers = bearer(token or default_token())
         ca = Path(ca_cert).expanduser() if ca_cert else default_ca_cert()
         self.http = async_client(
@@ -194,8 +298,7 @@ class AsyncClient:
                     log.warning("rate limited by the controller: waiting %.2f s, as Retry-After says", wait)
                     await asyncio.sleep(wait)
                     continue
-            raise_for_error(resp)
-            return resp.json()
+            return json_body(resp, self.url)
 
     async def submit(
         self, capability: str, input: Any = None, *, gpu: str | bool = "auto", **options: Any
@@ -240,13 +343,15 @@ class AsyncClient:
         return [AsyncTaskHandle(self, t) for t in body["tasks"]]
 
     async def get_task(self, task_id: str) -> dict[str, Any]:
-        return await self.request("GET", f"/v1/tasks/{task_id}")
+        return await self.request("GET", f"/v1/tasks/{path_id(task_id, 'task id')}")
 
     async def get_result(self, task_id: str, wait: float = 0) -> dict[str, Any]:
-        return await self.request("GET", f"/v1/tasks/{task_id}/result", params={"wait": wait})
+        return await self.request(
+            "GET", f"/v1/tasks/{path_id(task_id, 'task id')}/result", params={"wait": wait}
+        )
 
     async def cancel(self, task_id: str) -> dict[str, Any]:
-        return await self.request("POST", f"/v1/tasks/{task_id}/cancel")
+        return await self.request("POST", f"/v1/tasks/{path_id(task_id, 'task id')}/cancel")
 
     async def tasks(self, **filters: Any) -> dict[str, Any]:
         return await self.request(
@@ -269,7 +374,7 @@ class AsyncClient:
         return (await self.request("GET", "/v1/tokens", params=params))["tokens"]
 
     async def revoke_token(self, token_id: str) -> dict[str, Any]:
-        return await self.request("DELETE", f"/v1/tokens/{token_id}")
+        return await self.request("DELETE", f"/v1/tokens/{path_id(token_id, 'token id')}")
 
     async def audit(
         self, since: str | None = None, tenant: str | None = None, kind: str | None = None
@@ -306,7 +411,7 @@ class AsyncClient:
             raise Unavailable(f"cannot reach the Turnout controller at {self.url}: {exc}") from None
 
     async def delete_file(self, file_id: str) -> dict[str, Any]:
-        return await self.request("DELETE", f"/v1/files/{file_id}")
+        return await self.request("DELETE", f"/v1/files/{path_id(file_id, 'file id')}")
 
     async def run_pipeline(
         self, name: str, input: Any = None, *, wait: float | None = None, **options: Any
@@ -318,7 +423,7 @@ class AsyncClient:
         wait = seconds_or_none(wait, "wait")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (wait or 0.0)
-        run = await self.request("POST", f"/v1/pipelines/{name}/runs", json={"input": input, **options},
+        run = await self.request("POST", f"/v1/pipelines/{pipeline_name(name)}/runs", json={"input": input, **options},
                                  params={"wait": min(WAIT_STEP_S, wait)} if wait else None)  # fmt: skip
         if not wait or run["state"] in TERMINAL:
             return run
@@ -330,7 +435,9 @@ class AsyncClient:
         deadline = loop.time() + (seconds_or_none(wait, "wait") or 0.0)
         while True:
             step = max(0.0, min(WAIT_STEP_S, deadline - loop.time()))
-            run = await self.request("GET", f"/v1/pipeline-runs/{run_id}", params={"wait": step})
+            run = await self.request(
+                "GET", f"/v1/pipeline-runs/{path_id(run_id, 'run id')}", params={"wait": step}
+            )
             if run["state"] in TERMINAL or loop.time() >= deadline:
                 return run
 
@@ -340,7 +447,7 @@ class AsyncClient:
         )
 
     async def cancel_pipeline_run(self, run_id: str) -> dict[str, Any]:
-        return await self.request("POST", f"/v1/pipeline-runs/{run_id}/cancel")
+        return await self.request("POST", f"/v1/pipeline-runs/{path_id(run_id, 'run id')}/cancel")
 
     async def events(self, task_id: str, after: int = 0) -> AsyncIterator[dict[str, Any]]:
         """The task's events as they happen (Server-Sent Events), resuming after `after`; ends after `finish`."""
@@ -354,10 +461,16 @@ class AsyncClient:
         while True:
             headers = {"Last-Event-ID": str(seen)} if seen else {}
             try:
-                async with self.http.stream("GET", f"/v1/tasks/{task_id}/events", headers=headers) as resp:
+                async with self.http.stream(
+                    "GET", f"/v1/tasks/{path_id(task_id, 'task id')}/events", headers=headers
+                ) as resp:
                     if resp.status_code >= 400:
                         await resp.aread()
-                        raise_for_error(resp)
+                        raise_for_error(resp, self.url)
+                    if resp.status_code != 200 or "text/event-stream" not in resp.headers.get(
+                        "content-type", ""
+                    ):
+                        raise NotAController(self.url, what_came(resp))
                     frames = _SseFrames()
                     async for chunk in resp.aiter_text():
                         batch = frames.feed(chunk)
@@ -512,20 +625,51 @@ async def _next(agen: AsyncGenerator[T, None]) -> T:
     return await agen.__anext__()
 
 
+CLOSED = "this turnout Client is closed: make a new Client (or use it inside `with Client() as client:`)"
+
+
 class _Loop:
-    """A private event loop on a daemon thread, so the sync client can drive the async one."""
+    """A private event loop on a daemon thread, so the sync client can drive the async one.
+
+    Once closed, its loop runs nothing: a call raises RuntimeError at once instead of waiting for ever on a
+    loop that stopped, and a call still waiting when it closes (on another thread) raises the same."""
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="turnout-client", daemon=True)
+        self.closed = False
+        self._lock = threading.Lock()
+        self._waiting: set[concurrent.futures.Future[Any]] = set()
         self.thread.start()
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        with self._lock:
+            if self.closed:
+                coro.close()  # never started: no "never awaited" warning
+                raise RuntimeError(CLOSED)
+            future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+            self._waiting.add(future)
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError:
+            if self.closed:
+                raise RuntimeError(CLOSED) from None
+            raise
+        finally:
+            with self._lock:
+                self._waiting.discard(future)
 
     def close(self) -> None:
+        """Stop the loop (once; again does nothing), and wake every call still waiting on it."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            waiting = list(self._waiting)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
+        for future in waiting:
+            future.cancel()
 
 
 class TaskHandle:
@@ -554,7 +698,8 @@ class TaskHandle:
                     return
                 yield from batch
         finally:
-            self._client._run(batches.aclose())  # a caller that stops early closes the stream now
+            if not self._client.closed:  # a caller that stops early closes the stream now
+                self._client._run(batches.aclose())
 
 
 class Client:
@@ -584,6 +729,10 @@ class Client:
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._loop.run(coro)
 
+    @property
+    def closed(self) -> bool:
+        return self._loop.closed
+
     def __enter__(self) -> Client:
         return self
 
@@ -591,8 +740,14 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        self._run(self._async.aclose())
-        self._loop.close()
+        """Send what is gathered, close the connections and the private loop. Closing again does nothing; any
+        other call after it (or a TaskHandle's) raises RuntimeError at once."""
+        if self._loop.closed:
+            return
+        try:
+            self._run(self._async.aclose())
+        finally:
+            self._loop.close()
 
     def submit(
         self, capability: str, input: Any = None, *, gpu: str | bool = "auto", **options: Any
@@ -609,6 +764,8 @@ class Client:
         """run, get_task, get_result, cancel, tasks, workers, capabilities, create_token, list_tokens, revoke_token,
         audit, run_pipeline, pipeline_run, pipeline_runs, cancel_pipeline_run, upload, download, delete_file: run
         the async twin."""
+        if name.startswith("_"):  # not made yet (a constructor that failed), or private: never the async twin
+            raise AttributeError(name)
         method = getattr(self._async, name)
         if not asyncio.iscoroutinefunction(method):
             raise AttributeError(name)

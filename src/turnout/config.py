@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from turnout.errors import InvalidInput, read_user_file
+from turnout.errors import InvalidInput, number, read_user_file
 from turnout.resources import parse_bytes
 from turnout.tenancy import LimitsTable, parse_limits
 
@@ -155,14 +156,51 @@ def load_config_file(path: Path | None) -> dict[str, Any]:
         return {}
     text = read_user_file(path, "--config")
     try:
+        duplicate = first_duplicate_key(yaml.compose(text, Loader=yaml.SafeLoader))
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise InvalidInput(f"{path}: not valid YAML: {exc}", field="config") from None
+    if duplicate is not None:
+        at, first, second = duplicate
+        raise InvalidInput(f"{path}: {at}: defined twice (lines {first} and {second}); keep one", field=at)
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise InvalidInput(f"{path}: expected a mapping at the top level", field="config")
     return data
+
+
+def first_duplicate_key(node: yaml.Node | None, at: str = "") -> tuple[str, int, int] | None:
+    """The first key defined twice in one mapping of a composed YAML document: (its dotted path, the lines of
+    both). YAML loaders keep the last silently, so a pipeline or a price written twice would vanish unseen."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[tuple[str, str], int] = {}
+        for key, value in node.value:
+            name = str(key.value) if isinstance(key, yaml.ScalarNode) else "?"
+            path = f"{at}.{name}" if at else name
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                line = key.start_mark.line + 1
+                if (key.tag, name) in seen:
+                    return path, seen[(key.tag, name)], line
+                seen[(key.tag, name)] = line
+            found = first_duplicate_key(value, path)
+            if found is not None:
+                return found
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            found = first_duplicate_key(item, f"{at}.{i}" if at else str(i))
+            if found is not None:
+                return found
+    return None
+
+
+def _price(value: Any, name: str) -> float:
+    """A price in USD per second: a finite number >= 0; a string that reads as one (YAML 1.1 reads `2e-4`,
+    with no dot, as a string) is taken as that number."""
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            value = float(value.strip())
+    return number(value, name, "a price >= 0 in USD per second", lambda v: v >= 0)
 
 
 def parse_prices(raw: Any, source: str = "prices") -> Prices:
@@ -174,14 +212,13 @@ def parse_prices(raw: Any, source: str = "prices") -> Prices:
     models: dict[str, float] = {}
     for key, value in raw.items():
         name = f"{source}.{key}"
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-            raise InvalidInput(f"{name}: expected a price >= 0 in USD per second, got {value!r}", field=name)
+        price = _price(value, name)
         if key == "cpu":
-            cpu = float(value)
+            cpu = price
         elif key == "gpu":
-            gpu = float(value)
+            gpu = price
         elif isinstance(key, str) and key.startswith("gpu:") and len(key) > 4:
-            models[key[4:]] = float(value)
+            models[key[4:]] = price
         else:
             raise InvalidInput(f"{name}: unknown price key (use cpu, gpu or gpu:MODEL)", field=name)
     return Prices(cpu, gpu, models)

@@ -122,15 +122,19 @@ async def upload(
     """Stream `path` to `POST {route}` (raw bytes, its length declared); returns the controller's record.
 
     `route` is `/v1/files` for a user, `/v1/workers/{id}/files` for a worker sending a task's output."""
-    from turnout.client import raise_for_error
+    from turnout.client import json_body
 
     size = os.stat(path).st_size
     query = {"name": name if name is not None else Path(path).name, **(params or {})}
     resp = await http.post(route, content=_chunks(Path(path)), params=query,
                            headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)})  # fmt: skip
-    raise_for_error(resp)
-    body: dict[str, Any] = resp.json()
+    body: dict[str, Any] = json_body(resp, _base(http))
     return body
+
+
+def _base(http: httpx.AsyncClient) -> str:
+    """The controller's URL `http` talks to, for a message."""
+    return str(http.base_url).rstrip("/")
 
 
 async def download(
@@ -148,13 +152,15 @@ async def download(
     the way, are never taken for the file. Returns {id, size, sha256, path}. Raises the controller's error
     (NotFound, ...) or FileCorrupt.
     """
+    from turnout.client import path_id
+
     dest = Path(dest)
     part = dest.with_name(dest.name + ".part")
-    path = f"{route}/{file_id}"
+    path = f"{route}/{path_id(file_id, 'file id')}"
     got = await _direct_get(http, path, params or {}, part)
     if got is None:  # not for the direct path (a proxy, an error, ...): httpx does it
         got = await _httpx_get(http, path, params or {}, part)
-    if got.expected and got.sha256 != got.expected:
+    if got.sha256 != got.expected:
         part.unlink(missing_ok=True)
         raise FileCorrupt(f"file {file_id}: sha256 {got.sha256} of what arrived is not the stored {got.expected}",
                           field="sha256")  # fmt: skip
@@ -173,13 +179,16 @@ class _Arrived:
 
 async def _httpx_get(http: httpx.AsyncClient, path: str, params: dict[str, Any], part: Path) -> _Arrived:
     """Through httpx's stream: slower than the direct path, for what that one does not take."""
-    from turnout.client import raise_for_error
+    from turnout.client import NotAController, raise_for_error, what_came
 
     with _Sink(part) as sink:
         async with http.stream("GET", path, params=params) as resp:
             if resp.status_code >= 400:
                 await resp.aread()
-                raise_for_error(resp)
+                raise_for_error(resp, _base(http))
+            if resp.status_code != 200 or not resp.headers.get(SHA256_HEADER):
+                # a controller always says the sha256 it stored: without it nothing could be checked
+                raise NotAController(_base(http), f"{what_came(resp)} with no {SHA256_HEADER}")
             pending: list[bytes] = []
             async for chunk in resp.aiter_raw():
                 pending.append(chunk)
@@ -315,8 +324,8 @@ def _receive_direct(request: _DirectGet, part: Path, connection: _Connection) ->
         plain = (
             not headers.get("transfer-encoding") and headers.get("content-encoding", "identity") == "identity"
         )
-        if status != 200 or not length.isdigit() or not plain:
-            return None
+        if status != 200 or not length.isdigit() or not plain or not headers.get(SHA256_HEADER):
+            return None  # httpx's path says what is wrong with it
         with _Sink(part) as sink, _Writer(sink) as writer:
             _receive_body(sock, writer, first, int(length), connection)
         return _Arrived(sink.size, sink.sha256, headers.get(SHA256_HEADER, ""))

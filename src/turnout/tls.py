@@ -58,10 +58,14 @@ def async_client(
     """An httpx.AsyncClient trusting `ca_cert` (with `options` as httpx takes them), over `transport.py`'s
     HTTP/1.1 transport unless given another, or a proxy is to be taken from the environment (httpx's then)."""
     context = tls_verify(ca_cert)
-    if transport is not None:  # a stand-in transport (tests): reached only through httpx, its trust unknown here
+    if (
+        transport is not None
+    ):  # a stand-in transport (tests): reached only through httpx, its trust unknown here
         return httpx.AsyncClient(verify=context, transport=transport, **options)
     proxied = options.get("trust_env", True) and proxied_by_environment()
-    client = httpx.AsyncClient(verify=context, transport=None if proxied else lean_transport(context), **options)
+    client = httpx.AsyncClient(
+        verify=context, transport=None if proxied else lean_transport(context), **options
+    )
     _contexts[client] = context
     return client
 

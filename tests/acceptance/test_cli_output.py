@@ -97,7 +97,11 @@ def test_an_input_past_the_controllers_limit_names_the_limit_and_how_to_raise_it
     out = demo.cli("submit", "echo", "--inputs", str(inputs))
     assert out.returncode == 2
     last = out.stderr.splitlines()[-1]
-    assert last.startswith("error: tasks.0.input: ") and "limit 1 MiB (max_input_bytes)" in last
+    assert (
+        last.startswith(f"error: --inputs: {inputs} line 1: input: ")
+        and "limit 1 MiB (max_input_bytes)" in last
+    )
+    assert "nothing was submitted" in last
     assert "fix: send less, or have the controller's operator raise the limit" in last
     assert "--request-limit NAME=VALUE" in last and "Traceback" not in out.stderr
 
