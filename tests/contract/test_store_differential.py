@@ -114,9 +114,10 @@ def apply(store: Store, op: tuple[Any, ...], counter: list[int]) -> Any:
         return store.update_tasks([(f"t_{n:06d}", states, attempts, values)])
     _, cap, mode, which_kind, servable, now = op
     error = {"type": "no_capacity", "message": "nobody"}
-    # one of the kinds of (cap, mode) there are, by their overrides (none: one with no tasks)
-    kinds = sorted((k for k in store.queued_kinds() if k[:2] == (cap, mode)), key=lambda k: k.resources or "")
-    kind = kinds[which_kind % len(kinds)] if kinds else QueuedKind(cap, mode, None, "t_000000")
+    # one of the kinds of (cap, mode) there are, by their tenant and overrides (none: one with no tasks)
+    kinds = sorted((k for k in store.queued_kinds() if k[1:3] == (cap, mode)),
+                   key=lambda k: (k.tenant, k.resources or ""))  # fmt: skip
+    kind = kinds[which_kind % len(kinds)] if kinds else QueuedKind("default", cap, mode, None, "t_000000")
     return sorted(store.mark_servable(kind._replace(sample_id=""), servable, now, error))
 
 
