@@ -104,13 +104,24 @@ def _stage(raw: Any, at: str) -> Stage:
             f"{at}.retries: expected a whole number 0..100, got {retries!r}", field=f"{at}.retries"
         )
     return Stage(capability, gpu, _seconds(raw.get("timeout_s"), f"{at}.timeout_s"), retries,
-                 _seconds(raw.get("gpu_wait_s"), f"{at}.gpu_wait_s", 10.0) or 10.0,
-                 _seconds(raw.get("placement_timeout_s"), f"{at}.placement_timeout_s", 60.0) or 60.0)  # fmt: skip
+                 _wait(raw.get("gpu_wait_s"), f"{at}.gpu_wait_s", 10.0, zero_ok=True),
+                 _wait(raw.get("placement_timeout_s"), f"{at}.placement_timeout_s", 60.0))  # fmt: skip
 
 
-def _seconds(value: Any, at: str, default: float | None = None) -> float | None:
+def _seconds(value: Any, at: str) -> float | None:
+    """A number of seconds > 0, or None where none is given."""
+    if value is None:
+        return None
+    return number(value, at, "a number of seconds > 0", lambda v: v > 0)
+
+
+def _wait(value: Any, at: str, default: float, *, zero_ok: bool = False) -> float:
+    """A wait in seconds, `default` where none is given; 0 where `zero_ok` (a task's `gpu_wait_s` may be 0:
+    fall back to the CPU at once)."""
     if value is None:
         return default
+    if zero_ok:
+        return number(value, at, "a number of seconds >= 0", lambda v: v >= 0)
     return number(value, at, "a number of seconds > 0", lambda v: v > 0)
 
 

@@ -85,12 +85,25 @@ def test_no_prices_means_no_cost_rather_than_zero() -> None:
         ({"p": {"stages": [{"capability": "a", "retries": 1.5}]}}, "pipelines.p.stages.0.retries"),
         ({"p": {"stages": [{"capability": "a", "colour": 1}]}}, "pipelines.p.stages.0.colour"),
         ({"P!": {"stages": [{"capability": "a"}]}}, "pipelines.P!"),
+        ({"p": {"stages": [{"capability": "a", "gpu_wait_s": -1}]}}, "pipelines.p.stages.0.gpu_wait_s"),
+        (
+            {"p": {"stages": [{"capability": "a", "placement_timeout_s": 0}]}},
+            "pipelines.p.stages.0.placement_timeout_s",
+        ),
     ],
 )
 def test_bad_pipeline_config_names_the_key(raw: dict, field: str) -> None:
     with pytest.raises(InvalidInput) as info:
         parse_pipelines(raw)
     assert info.value.field == field
+
+
+def test_a_stage_may_fall_back_at_once_as_a_task_may_and_waits_default_where_unsaid() -> None:
+    """`gpu_wait_s: 0` (take the CPU at once when the GPUs are busy) is a task's to ask, and a stage's: it was
+    refused, and a 0 would have become the default 10 s."""
+    stages = parse_pipelines({"p": {"stages": [{"capability": "a", "gpu_wait_s": 0}, {"capability": "b"}]}})
+    first, second = stages["p"].stages
+    assert (first.gpu_wait_s, second.gpu_wait_s, second.placement_timeout_s) == (0.0, 10.0, 60.0)
 
 
 def test_the_config_file_is_validated_as_one_naming_the_file(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -6,6 +6,9 @@ import sqlite3
 import stat
 from pathlib import Path
 
+import pytest
+
+from turnout.errors import InvalidInput, TurnoutError
 from turnout.runtime import private_dir
 from turnout.store import open_store
 
@@ -73,3 +76,22 @@ def test_the_admin_token_replaces_a_world_readable_one_whole_and_private(tmp_pat
     path = write_admin_token(tmp_path, "new-token")
     assert path == old and path.read_text() == "new-token\n" and mode_of(path) == 0o600
     assert [p.name for p in tmp_path.iterdir()] == ["admin.token"]  # no part file left beside it
+
+
+def test_a_file_that_is_not_a_database_is_refused_and_its_mode_left_as_it_was(tmp_path: Path) -> None:
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes, not a database\n")
+    notes.chmod(0o644)
+    with pytest.raises(TurnoutError) as refused:
+        open_store(f"sqlite:///{notes}")
+    assert refused.value.field == "db"
+    assert mode_of(notes) == 0o644 and notes.read_text() == "my notes, not a database\n"
+
+
+@pytest.mark.parametrize("where", ["a directory", "under a file"])
+def test_a_database_path_that_cannot_be_a_file_is_refused_naming_db(tmp_path: Path, where: str) -> None:
+    (tmp_path / "file").write_text("x")
+    path = tmp_path if where == "a directory" else tmp_path / "file" / "turnout.db"
+    with pytest.raises(InvalidInput) as refused:
+        open_store(f"sqlite:///{path}")
+    assert refused.value.field == "db" and str(path) in refused.value.message

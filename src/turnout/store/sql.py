@@ -69,6 +69,9 @@ def open_store(url: str) -> SqlStore:
     return SqlStore(url)
 
 
+SQLITE_HEADER = b"SQLite format 3\x00"  # the first bytes of every SQLite database file
+
+
 def private_sqlite_file(path: Path) -> None:
     """Make the database file (and its -wal and -shm) readable by this user only, before SQLite opens it.
 
@@ -76,9 +79,19 @@ def private_sqlite_file(path: Path) -> None:
     creates the main file's mode, so creating the main file 0600 covers them; files left by an older
     version are tightened too. A directory made here is 0700; one that exists is left as it is.
     """
-    if not path.parent.exists():
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    try:
+        if not path.parent.exists():
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            head = os.read(fd, len(SQLITE_HEADER))
+        finally:
+            os.close(fd)
+    except OSError as exc:  # a directory, a path under a file, no permission, a full disk
+        raise InvalidInput(f"db: cannot use {path} as the SQLite database file ({exc.strerror or exc})",
+                           field="db") from None  # fmt: skip
+    if head and head != SQLITE_HEADER:
+        return  # another kind of file: SQLite refuses it as a database, and its mode is left as it was
     for name in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
         with contextlib.suppress(FileNotFoundError):
             if name.stat().st_mode & 0o077:
