@@ -348,6 +348,7 @@ def worker(
     """A worker: serves the given apps (and presets) with the GPUs it finds."""
     import socket
 
+    from turnout.client import controller_url as checked_url
     from turnout.client import default_token, default_url
     from turnout.gpu.provider import discover
     from turnout.runtime import run_agent_until_signalled
@@ -366,7 +367,11 @@ def worker(
         raise InvalidInput(f"--isolation: {isolation!r} is not none or sandbox", field="isolation")
     ahead, ahead_s = prefetch_of(prefetch)
     # the settings check their own numbers: a bad --cpus is refused before any app is imported
-    settings = AgentSettings(controller_url=controller_url or default_url(), token=token or default_token(),
+    try:
+        url = checked_url(controller_url or default_url())  # a malformed one would be retried for ever
+    except InvalidInput as exc:
+        raise InvalidInput(f"--controller: {exc.message}", field="controller") from None
+    settings = AgentSettings(controller_url=url, token=token or default_token(),
                              name=name or socket.gethostname(), gpus=gpus, strategy=strategy, cpus=cpus,
                              heartbeat_s=heartbeat_s, canary_command=shlex.split(canary) if canary else None,
                              canary_backoff_s=canary_backoff_s, scrub_command=scrub_command, ca_cert=ca_cert,

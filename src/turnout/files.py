@@ -155,16 +155,25 @@ async def download(
     from turnout.client import path_id
 
     dest = Path(dest)
-    part = dest.with_name(dest.name + ".part")
     path = f"{route}/{path_id(file_id, 'file id')}"
-    got = await _direct_get(http, path, params or {}, part)
-    if got is None:  # not for the direct path (a proxy, an error, ...): httpx does it
-        got = await _httpx_get(http, path, params or {}, part)
-    if got.sha256 != got.expected:
+    # where it goes is checked before a byte is asked for: a local mistake is not a failed connection
+    if dest.is_dir():
+        raise InvalidInput(f"output: {dest} is a directory; name the file to write, e.g. {dest / file_id}",
+                           field="output")  # fmt: skip
+    if not dest.parent.is_dir():
+        raise InvalidInput(f"output: {dest.parent} is not a directory here", field="output")
+    part = dest.with_name(dest.name + ".part")
+    try:
+        got = await _direct_get(http, path, params or {}, part)
+        if got is None:  # not for the direct path (a proxy, an error, ...): httpx does it
+            got = await _httpx_get(http, path, params or {}, part)
+        if got.sha256 != got.expected:
+            raise FileCorrupt(f"file {file_id}: sha256 {got.sha256} of what arrived is not the stored "
+                              f"{got.expected}", field="sha256")  # fmt: skip
+        os.replace(part, dest)
+    except BaseException:  # nothing half-written is left behind, whatever ended it
         part.unlink(missing_ok=True)
-        raise FileCorrupt(f"file {file_id}: sha256 {got.sha256} of what arrived is not the stored {got.expected}",
-                          field="sha256")  # fmt: skip
-    os.replace(part, dest)
+        raise
     return {"id": file_id, "size": got.size, "sha256": got.sha256, "path": str(dest)}
 
 

@@ -95,6 +95,15 @@ def test_a_malformed_url_is_one_line_naming_the_url() -> None:
     assert line.startswith("error: url: 'http://[::1' is not a URL") and "please report" not in line
 
 
+@pytest.mark.parametrize("url", ["notaurl", "localhost:8750", "http://[::1"])
+def test_a_worker_given_a_malformed_controller_url_exits_at_once_naming_it(url: str) -> None:
+    # it retried registering for ever, logging "controller not reachable" each time
+    line = one_error(
+        cli("worker", "tests.apps.testapp:app", "--gpus", "none", "--controller", url, timeout=20)
+    )
+    assert line.startswith("error: --controller: url: ") and repr(url) in line
+
+
 # ---- M8: ids --------------------------------------------------------------------------------------------
 
 

@@ -225,6 +225,31 @@ def test_a_download_with_the_sha256_is_kept(tmp_path: Path) -> None:
     assert (tmp_path / "got").read_bytes() == data and got["size"] == len(data)
 
 
+@pytest.mark.parametrize("where", ["a directory", "in no directory"])
+def test_a_download_to_a_path_that_cannot_take_it_is_refused_before_any_request_and_leaves_nothing(
+    tmp_path: Path, where: str
+) -> None:
+    dest = tmp_path if where == "a directory" else tmp_path / "missing" / "got"
+    client, recorder = client_of(turnout_answer)
+    with client, pytest.raises(InvalidInput) as caught:
+        client.download("f_0123456789ab0123456789abcdef", dest)
+    assert caught.value.field == "output" and recorder.seen == []
+    assert list(tmp_path.iterdir()) == []  # no .part beside it
+
+
+def test_a_download_that_fails_midway_leaves_no_part_file(tmp_path: Path) -> None:
+    class Broken(httpx.AsyncByteStream):
+        async def __aiter__(self) -> Any:
+            yield b"half of it"
+            raise httpx.ReadError("the connection broke")
+
+    headers = {SHA256_HEADER: "0" * 64}
+    client = client_of(lambda _: httpx.Response(200, headers=headers, stream=Broken()))[0]
+    with client, pytest.raises((httpx.ReadError, Unavailable)):
+        client.download("f_0123456789ab0123456789abcdef", tmp_path / "got")
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---- L4, L13: the constructor's arguments, L7: a token file that is not text ---------------------------
 
 
