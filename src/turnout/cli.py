@@ -447,6 +447,8 @@ def submit(
         return
     data = _json_arg("null" if input is None else input, "--input")
     named = [file_flag(f) for f in file]
+    for name, _ in named:  # an input that cannot hold them is refused before any file is uploaded
+        with_file(data, name, "")
     with _client() as client:
         for name, path in named:
             data = with_file(data, name, client.upload(path)["id"])

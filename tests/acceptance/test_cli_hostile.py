@@ -230,3 +230,11 @@ def test_tasks_in_a_pipe_shows_whole_ids(idle: Cluster) -> None:
     out = cluster.cli("tasks")
     assert out.returncode == 0, out.stderr
     assert task["id"] in out.stdout and "…" not in out.stdout
+
+
+def test_a_file_flag_with_an_input_that_cannot_hold_it_is_refused_before_any_upload(tmp_path: Path) -> None:
+    photo = tmp_path / "photo.txt"
+    photo.write_text("pixels")
+    # nothing listens at TURNOUT_URL: an upload first would be a connection error, not this line
+    line = one_error(cli("submit", "echo", "--input", "[1, 2]", "--file", f"image={photo}"))
+    assert line.startswith("error: --file: the task input must be a JSON object to hold files by name")
