@@ -234,6 +234,12 @@ def check_controller(settings: DoctorSettings) -> list[Check]:
         return [Check("controller", FAIL, f"{url}/healthz answered HTTP {resp.status_code}",
                       "is this the Turnout controller's URL? (turnout up prints it)")]  # fmt: skip
     health = _json(resp)
+    if (
+        "version" not in health or "time" not in health
+    ):  # a web server, another API: not a controller's answer
+        kind = resp.headers.get("content-type", "").split(";")[0].strip() or "no content type"
+        return [Check("controller", FAIL, f"{url}/healthz answered HTTP 200 {kind}, not as a Turnout controller",
+                      "is this the Turnout controller's URL? (turnout up prints it)")]  # fmt: skip
     from turnout import __version__
 
     theirs = str(health.get("version", "unknown"))
