@@ -12,9 +12,11 @@ import signal
 import ssl
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -210,3 +212,31 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return 0 if any(folder in parts for folder in SLOW_FIRST) else 1
 
     items.sort(key=rank)  # stable: the order within each rank is collection order
+
+
+@pytest.fixture(scope="module")
+def web_page() -> Iterator[str]:
+    """A web server that answers every request `200 text/html`, as a mistyped TURNOUT_URL may find."""
+
+    class Page(BaseHTTPRequestHandler):
+        def _page(self) -> None:
+            body = b"<html><body>hello</body></html>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = do_DELETE = _page
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -8,9 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -34,34 +31,6 @@ def one_error(out: subprocess.CompletedProcess[str]) -> str:
     lines = out.stderr.splitlines()
     assert lines and lines[-1].startswith("error: ") and "Traceback" not in out.stderr, out.stderr
     return lines[-1]
-
-
-@pytest.fixture(scope="module")
-def web_page() -> Iterator[str]:
-    """A web server that answers every request `200 text/html`, as a mistyped TURNOUT_URL may find."""
-
-    class Page(BaseHTTPRequestHandler):
-        def _page(self) -> None:
-            body = b"<html><body>hello</body></html>"
-            self.send_response(200)
-            self.send_header("Content-Type", "text/html")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        do_GET = do_POST = do_DELETE = _page
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Page)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 # ---- M3, M4: a URL that is not a controller ------------------------------------------------------------

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -114,32 +112,13 @@ def test_doctor_fails_an_unreachable_controller_and_says_how_to_reach_it(tmp_pat
     assert "Traceback" not in out.stderr
 
 
-def test_doctor_against_a_web_page_says_it_is_not_a_controller(tmp_path: Path) -> None:
-    class Page(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = b"<html>a web page</html>"
-            self.send_response(200)
-            self.send_header("Content-Type", "text/html")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
-        env = {**os.environ, "TURNOUT_HOME": str(tmp_path), "TURNOUT_URL": url, "TURNOUT_TOKEN": "tnt_x"}
-        out = doctor("--gpus", "none", env=env)
-    finally:
-        server.shutdown()
-        server.server_close()
+def test_doctor_against_a_web_page_says_it_is_not_a_controller(tmp_path: Path, web_page: str) -> None:
+    env = {**os.environ, "TURNOUT_HOME": str(tmp_path), "TURNOUT_URL": web_page, "TURNOUT_TOKEN": "tnt_x"}
+    out = doctor("--gpus", "none", env=env)
     assert out.returncode == 1
     assert (
-        f"[FAIL] controller    {url}/healthz answered HTTP 200 text/html, not as a Turnout controller"
-        in out.stdout
+        f"[FAIL] controller    {web_page}/healthz answered HTTP 200 text/html, not as a Turnout controller"
+        in (out.stdout)
     )
     assert "pip install turnout==" not in out.stdout and "Traceback" not in out.stderr
 
