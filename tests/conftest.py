@@ -232,7 +232,15 @@ def web_page() -> Iterator[str]:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    with http_stand_in(Page) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def http_stand_in(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A threaded HTTP server on a free loopback port answering with `handler`: its URL, for the block; it is
+    stopped however the block ends."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -240,3 +248,4 @@ def web_page() -> Iterator[str]:
     finally:
         server.shutdown()
         server.server_close()
+        thread.join(timeout=5)

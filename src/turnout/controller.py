@@ -228,13 +228,10 @@ class Controller:
             return
         if capability not in self._known:
             self._known = self.store.known_capabilities()  # another controller may have met a new worker
-        mine = self._capabilities_for(tenant) & self._known if capability in self._known else None
-        if mine is not None:
-            self._known_for[tenant] = frozenset(mine)
-            if capability in mine:
-                return
-        # the hint names only what workers this tenant may use registered (read only here, on the way to a 422)
-        names = sorted(mine if mine is not None else self._known & self._capabilities_for(tenant))
+        mine = self._known_for[tenant] = frozenset(self._capabilities_for(tenant) & self._known)
+        if capability in mine:
+            return
+        names = sorted(mine)  # the hint names only what workers this tenant may use registered
         close = difflib.get_close_matches(capability, names, n=3, cutoff=0.6)
         hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
         known = f" (known: {', '.join(names[:20])})" if names and not close else ""

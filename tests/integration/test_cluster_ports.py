@@ -8,14 +8,13 @@ other server; a restart, whose workers know the port, does not move.
 from __future__ import annotations
 
 import http.server
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from bench.common import Processes
-from tests.conftest import Cluster
+from tests.conftest import Cluster, http_stand_in
 
 
 class Healthy(http.server.BaseHTTPRequestHandler):
@@ -31,14 +30,8 @@ class Healthy(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def squatter() -> Iterator[int]:
     """A port held by a server that answers every GET with 200."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Healthy)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield int(server.server_address[1])
-    finally:
-        server.shutdown()
-        server.server_close()
+    with http_stand_in(Healthy) as url:
+        yield int(url.rsplit(":", 1)[1])
 
 
 def test_a_first_start_on_a_taken_port_moves_to_a_fresh_one(

@@ -6,13 +6,13 @@ import json
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import Cluster, Processes
+from tests.conftest import Cluster, Processes, http_stand_in
 from tests.integration.test_pipelines import until
 
 APP = "tests.apps.pipeline_app:app"
@@ -93,15 +93,8 @@ def stand_in() -> Iterator[tuple[StandIn, str]]:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield state, f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
+    with http_stand_in(Handler) as url:
+        yield state, url
 
 
 def escalating(tmp_path: Path, processes: Processes, url: str, *, endpoints: bool = True) -> Cluster:

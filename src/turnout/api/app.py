@@ -70,8 +70,7 @@ def _credential_twice(headers: list[tuple[bytes, bytes]]) -> bytes | None:
     path, the routes, the gate, a proxy in front) might take another of the copies, so a caller would be one
     principal to one of them and another to the next: such a request is refused before any of them sees it."""
     seen: list[bytes] = []
-    for name, _ in headers:
-        name = name.lower()
+    for name, _ in headers:  # ASGI names headers in lower case
         if name in CREDENTIALS:
             if name in seen:
                 return name

@@ -309,7 +309,7 @@ class ProtocolProcess:
         current = self._current
         if dropped:  # longer than STREAM_LIMIT: `raw` is its head, the rest was never held
             tag = _TAGGED_HEAD.match(raw)
-            if current is None or (self.tagged and (tag is None or int(tag.group(1)) not in self._tags())):
+            if current is None or (self.tagged and (tag is None or not self._is_current(int(tag.group(1))))):
                 self._stray(raw[:200].decode(errors="replace") + "...")
                 return
             if not raw.lstrip().startswith(b"{"):  # plain text, not an event: its head is kept as a log line
@@ -329,7 +329,7 @@ class ProtocolProcess:
             event = None
         if self.tagged:
             tag = event.get(TASK_TAG) if isinstance(event, dict) else None
-            if current is None or type(tag) is not int or tag not in self._tags():
+            if current is None or type(tag) is not int or not self._is_current(tag):
                 self._stray(text)
                 return
             del event[TASK_TAG]
@@ -357,9 +357,9 @@ class ProtocolProcess:
         else:
             current.sink(event)
 
-    def _tags(self) -> tuple[int, ...]:
-        """The tags the task in flight may carry: its number, and 0 (setup, before the first task) for the first."""
-        return (self._seq, 0) if self._seq == 1 else (self._seq,)
+    def _is_current(self, tag: int) -> bool:
+        """Whether a line tagged `tag` is the task in flight's: its number, or 0 (setup's) during the first."""
+        return tag == self._seq or (tag == 0 and self._seq == 1)
 
     def _finished(self, current: _Task, event: dict[str, Any]) -> Outcome:
         facts = _finish_facts(event, self.spawned_at)
