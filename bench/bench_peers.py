@@ -17,7 +17,9 @@ or not. Latency: sequential round trips, submit to result, each system's own way
 instead of Turnout's (`transport.py`). CPU per task: user + system CPU from /proc of the
 system's processes (controller, worker agent, handlers; Celery's workers and the Redis server; Ray's GCS,
 raylet and workers), read by `peer_measure.CpuMeter` through the bulk phase (processes that start or end
-meanwhile included), divided by its tasks; the client's own share is beside it.
+meanwhile included), divided by its tasks; the client's own share is beside it. The CPU aim is judged twice:
+with the client's share (Ray's driver leases workers and pushes each task to one itself, work Turnout's
+controller does, so the equal work is every process's) and without it.
 Quarter-GPU case: a Turnout worker `--gpus fake:2x80Gi --cpus 2` (`bench.peer_app:gpu_app`) running tasks
 `gpu: require` that ask `gpu: 0.25`, against Ray tasks `num_gpus=0.25` (eight at once in both).
 

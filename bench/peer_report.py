@@ -61,7 +61,11 @@ AIMS = (
     Aim("bulk tasks/s >= 3x Celery's", "bulk_tasks_per_s", "celery", 3.0, True),
     Aim("one-by-one tasks/s >= 3x Celery's", "single_tasks_per_s", "celery", 3.0, True),
     Aim("p50 submit-to-result <= Celery's", "p50_ms", "celery", 1.0, False),
-    Aim("CPU per task <= Ray's", "cpu_ms_per_task", "ray", 1.0, False),
+    # Ray schedules from its driver (the owner of a task leases a worker from the raylet and pushes the task
+    # to it), work Turnout's controller does: the client's CPU is part of the work, so the aim counts it; the
+    # figure without it is judged beside it, as it was before (the client's share differs most there)
+    Aim("CPU per task, client included <= Ray's", "total_cpu_ms_per_task", "ray", 1.0, False),
+    Aim("CPU per task, client left out <= Ray's", "cpu_ms_per_task", "ray", 1.0, False),
     Aim("quarter-GPU tasks/s >= Ray's", "quarter_gpu_tasks_per_s", "ray", 1.0, True),
 )
 
@@ -81,6 +85,11 @@ def row(entry: dict[str, Any]) -> dict[str, Any]:
     for name, (phase, key) in FIGURES.items():
         values = [r[phase][key] for r in reps if r.get(phase, {}).get(key) is not None]
         out[name] = _median(values)
+    totals = [r["bulk"]["cpu_ms_per_task"] + r["bulk"]["client_cpu_ms_per_task"] for r in reps
+              if r.get("bulk", {}).get("cpu_ms_per_task") is not None
+              and r["bulk"].get("client_cpu_ms_per_task") is not None]  # fmt: skip
+    total = _median(totals)
+    out["total_cpu_ms_per_task"] = None if total is None else round(total, 3)
     by_role = [
         r["bulk"]["cpu_ms_per_task_by_role"] for r in reps if "cpu_ms_per_task_by_role" in r.get("bulk", {})
     ]
