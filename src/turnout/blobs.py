@@ -12,17 +12,20 @@ worker process loads no database code for it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import re
 import secrets
 import shutil
+import stat
 import time
 from pathlib import Path
+from typing import BinaryIO
 
 from turnout.errors import PayloadTooLarge
 
-FILE_ID = re.compile(r"^f_[0-9a-f]{12}[0-9a-f]{16}$")
+FILE_ID = re.compile(r"^f_[0-9a-f]{12}[0-9a-f]{16}\Z")  # \Z: `$` would let a trailing newline in
 CHUNK_BYTES = 1024 * 1024
 TMP_MAX_AGE_S = 24 * 3600.0  # a tmp/ file this old belongs to an upload that will never finish
 
@@ -49,6 +52,27 @@ class Blobs:
             raise ValueError(f"not a file id: {file_id!r}")
         return self.objects / file_id
 
+    def open(self, file_id: str) -> BinaryIO:
+        """`objects/<file_id>` opened for reading, if it is a regular file; else FileNotFoundError.
+
+        Whoever can write to a shared storage (a tenant's worker, its handler) could put a link there to any
+        file on this host (the admin token), or a FIFO whose read never ends: neither is a stored file."""
+        path = self.path(file_id)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO's open would wait
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a link
+                raise FileNotFoundError(errno.ENOENT, "not a regular file", str(path)) from None
+            raise
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise FileNotFoundError(errno.ENOENT, "not a regular file", str(path))
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, "rb")
+        except BaseException:
+            os.close(fd)
+            raise
+
     def writer(self, limit_bytes: int | None = None, limit_name: str = "max_file_bytes") -> BlobWriter:
         self.ensure()
         return BlobWriter(self, limit_bytes, limit_name)
@@ -58,18 +82,34 @@ class Blobs:
             self.path(file_id).unlink()
 
     def remove_stale_tmp(self, now: float, max_age_s: float = TMP_MAX_AGE_S) -> int:
-        """Delete `tmp/` leftovers of uploads that never finished; returns how many."""
+        """Delete `tmp/` leftovers of uploads that never finished; returns how many.
+
+        A directory is a worker's output directory (shared storage), maybe of a task still running: it is
+        stale only when nothing in it changed for `max_age_s` either. Its own mtime changes only when an
+        entry directly in it comes or goes, so a task writing into `ckpt/` under it for days leaves it old."""
         removed = 0
         with contextlib.suppress(FileNotFoundError):
             for entry in os.scandir(self.tmp):
                 with contextlib.suppress(FileNotFoundError):
-                    if now - entry.stat(follow_symlinks=False).st_mtime > max_age_s:
+                    old = now - entry.stat(follow_symlinks=False).st_mtime > max_age_s
+                    if old and now - _last_change(entry) > max_age_s:  # the walk only for an old entry
                         if entry.is_dir(follow_symlinks=False):
                             shutil.rmtree(entry.path, ignore_errors=True)
                         else:
                             os.unlink(entry.path)
                         removed += 1
         return removed
+
+
+def _last_change(entry: os.DirEntry[str]) -> float:
+    """The newest mtime of `entry` and, for a directory, of everything under it."""
+    newest = entry.stat(follow_symlinks=False).st_mtime
+    if entry.is_dir(follow_symlinks=False):
+        for dirpath, dirnames, filenames in os.walk(entry.path):  # links are not followed
+            for name in (*dirnames, *filenames):
+                with contextlib.suppress(FileNotFoundError):
+                    newest = max(newest, os.lstat(os.path.join(dirpath, name)).st_mtime)
+    return newest
 
 
 class BlobWriter:
@@ -133,12 +173,11 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def hash_file(path: Path) -> tuple[int, str]:
-    """(size, sha256 hex) of a file, read a megabyte at a time."""
+def hash_file(fh: BinaryIO) -> tuple[int, str]:
+    """(size, sha256 hex) of an open file from where it stands, read a megabyte at a time."""
     digest = hashlib.sha256()
     size = 0
-    with open(path, "rb") as fh:
-        while chunk := fh.read(CHUNK_BYTES):
-            size += len(chunk)
-            digest.update(chunk)
+    while chunk := fh.read(CHUNK_BYTES):
+        size += len(chunk)
+        digest.update(chunk)
     return size, digest.hexdigest()

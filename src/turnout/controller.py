@@ -249,12 +249,13 @@ class Controller:
 
     def check_files(self, tenant: str, inputs: Sequence[tuple[str, Any]]) -> None:
         """Every `{"$file": ID}` in these inputs (each with the prefix of its field: `tasks.3.`) names a file of
-        this tenant (another tenant's is not there), or an InvalidInput naming where it is referred to."""
+        this tenant that has not expired (another tenant's is not there), or an InvalidInput naming where it is
+        referred to."""
         refs = [(f"{prefix}{path}", file_id) for prefix, value in inputs
                 for path, file_id in refs_in(value)]  # fmt: skip
         if not refs:
             return
-        owned = self.store.files.owned({file_id for _, file_id in refs}, tenant)
+        owned = self.store.files.owned({file_id for _, file_id in refs}, tenant, self.clock())
         for path, file_id in refs:
             if file_id not in owned:
                 raise InvalidInput(f"{path}: no file {file_id!r} (upload it with POST /v1/files or "

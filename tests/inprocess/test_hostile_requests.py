@@ -193,3 +193,27 @@ async def test_a_batch_reusing_a_key_with_another_body_names_the_item_not_a_task
         "is also tasks.0.idempotency_key in this batch" in error["message"] and "t_" not in error["message"]
     )
     assert await _tasks(api) == []
+
+
+# ---- what a failure tells ---------------------------------------------------------------------------
+
+
+def test_an_unexpected_failure_answers_a_reference_to_the_log_and_never_the_exceptions_text(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An IntegrityError's text holds the SQL and its parameters: another tenant's id, the schema's names."""
+    from sqlalchemy.exc import IntegrityError
+
+    from turnout.api.errors import unexpected_response
+
+    exc = IntegrityError("INSERT INTO files (id, tenant) VALUES (?, ?)", ("f_1", "beta"), Exception("UNIQUE"))
+    with caplog.at_level("ERROR", logger="turnout.api"):
+        resp = unexpected_response(exc)
+
+    body = json.loads(bytes(resp.body))
+    assert resp.status_code == 500 and body["error"]["type"] == "internal"
+    message = body["error"]["message"]
+    assert "INSERT" not in message and "beta" not in message and "IntegrityError" not in message
+    ref = message.split("reference ", 1)[1].split(":", 1)[0]
+    logged = [r for r in caplog.records if ref in r.getMessage()]
+    assert logged and logged[0].exc_info is not None  # the whole failure is in the log, under that reference

@@ -4,13 +4,16 @@ the output directory a Python task is given."""
 from __future__ import annotations
 
 import asyncio
+import os
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from turnout.blobs import TMP_MAX_AGE_S, Blobs
 from turnout.errors import InvalidInput
 from turnout.files import refs_in, set_field, with_paths
 from turnout.worker.app import Context
@@ -125,3 +128,73 @@ def test_a_workers_scratch_is_named_by_its_tag_and_those_of_gone_workers_are_rem
     assert own.parent == tmp_path and own.name.startswith(f"turnout-worker-{worker_tag()}-")
     assert stat.S_IMODE(own.stat().st_mode) == 0o700
     assert stale_scratch(tmp_path) == []  # what is left is all alive or not ours
+
+
+def test_a_link_in_the_shared_storage_is_never_read_as_an_input_file(tmp_path: Path) -> None:
+    """Whoever can write to the shared storage could swap a stored file for a link to any file of the worker's
+    host: the worker then fetches the file from the controller, which serves no link (`Blobs.open`)."""
+    secret = tmp_path / "admin.token"
+    secret.write_text("the operator's token")
+    asked: list[str] = []
+
+    def controller(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.path)
+        return httpx.Response(404, json={"error": {"type": "not_found", "message": "no such file"}})
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(
+            base_url="http://turnout", transport=httpx.MockTransport(controller)
+        ) as http:
+            files = WorkerFiles(http, scratch=tmp_path / "scratch", storage=tmp_path / "shared")
+            files.worker_id = "w_1"
+            try:
+                (tmp_path / "shared" / "objects" / A).symlink_to(secret)
+                with pytest.raises(TaskFileError) as refused:
+                    await files.prepare({"id": "t_1", "attempt": 1, "input": {"doc": {"$file": A}}})
+                assert refused.value.error["type"] == "input_file_missing"
+                assert asked and A in asked[0]  # fetched, not read through the link
+                # a regular file there is read in place, with no request
+                (tmp_path / "shared" / "objects" / A).unlink()
+                (tmp_path / "shared" / "objects" / A).write_text("stored")
+                got = await files.prepare({"id": "t_2", "attempt": 1, "input": {"doc": {"$file": A}}})
+                assert Path(got.inputs[A]).read_text() == "stored" and len(asked) == 1
+            finally:
+                files.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_output_directory_in_the_shared_storage_outlives_its_sweep_while_its_task_runs(
+    tmp_path: Path,
+) -> None:
+    """The storage's sweep removes what did not change in its tmp/ for a day; a task may run longer, writing
+    nothing until its end. The heartbeat's `keep_in_use` touches its directory; once it ended, nothing does."""
+    day_and_more = TMP_MAX_AGE_S + 3600
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url="http://127.0.0.1:9") as http:
+            files = WorkerFiles(http, scratch=tmp_path / "scratch", storage=tmp_path / "shared")
+            try:
+                running = await files.prepare({"id": "t_1", "attempt": 1, "input": {}})
+                ended = await files.prepare({"id": "t_2", "attempt": 1, "input": {}})
+                (ended.output_dir / "kept.txt").write_text("x")
+                files.cleanup(ended)
+                ended.output_dir.mkdir()  # as if a late write had made it again
+                long_ago = time.time() - day_and_more
+                for d in (running.output_dir, ended.output_dir):
+                    os.utime(d, (long_ago, long_ago))
+                files.keep_in_use()
+                blobs = Blobs(tmp_path / "shared")
+                blobs.remove_stale_tmp(time.time())
+                assert running.output_dir.is_dir() and not ended.output_dir.exists()
+                # a directory made ahead and handed out a day later is its new task's, as new to the sweep
+                stock = await files.prepare({"id": "t_3", "attempt": 1, "input": {}})
+                os.utime(stock.output_dir, (long_ago, long_ago))
+                files._outputs._stock.appendleft(stock.output_dir)
+                handed = await files.prepare({"id": "t_4", "attempt": 1, "input": {}})
+                assert handed.output_dir == stock.output_dir
+                assert time.time() - handed.output_dir.stat().st_mtime < 60
+            finally:
+                files.close()
+
+    asyncio.run(scenario())

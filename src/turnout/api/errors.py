@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -60,10 +61,12 @@ def install(app: FastAPI) -> None:
 
 
 def unexpected_response(exc: Exception) -> JSONResponse:
-    """A failure no route expected: a database failure is a 503 (never SQL text), anything else a JSON 500."""
+    """A failure no route expected: a database failure is a 503, anything else a JSON 500. Neither says what
+    failed: an exception's text may hold SQL and its parameters (another tenant's ids, a constraint's name),
+    so the answer gives a reference to the controller's log line, where the whole traceback is."""
     if is_storage_failure(exc):  # a database failure outside Service.call/read
         return error_response(storage_unavailable(exc))
-    log.exception("unexpected error")
-    return JSONResponse(
-        {"error": {"type": "internal", "message": f"{type(exc).__name__}: {exc}"}}, status_code=500
-    )
+    ref = secrets.token_hex(4)
+    log.exception("unexpected error (reference %s)", ref)
+    message = f"internal error, reference {ref}: the controller's log has what failed"
+    return JSONResponse({"error": {"type": "internal", "message": message}}, status_code=500)

@@ -35,7 +35,9 @@ from typing import Any, BinaryIO, TypeVar
 import anyio
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
+from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, MultipartState, parse_options_header
+from sqlalchemy.exc import IntegrityError
 from starlette.requests import ClientDisconnect
 from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.types import Receive, Scope, Send
@@ -46,7 +48,7 @@ from turnout.api.schemas import Strict, iso
 from turnout.api.service import STORAGE_RETRY_AFTER_S, Service
 from turnout.api.strictjson import StrictJsonRoute
 from turnout.auth import WorkerCredential
-from turnout.blobs import CHUNK_BYTES, FILE_ID, Blobs, BlobWriter, new_file_id
+from turnout.blobs import CHUNK_BYTES, FILE_ID, Blobs, BlobWriter, hash_file, new_file_id
 from turnout.errors import Conflict, InvalidInput, NotFound, StorageUnavailable
 from turnout.files import SHA256_HEADER, refs_in
 from turnout.models import ACTIVE_STATES, Task
@@ -116,12 +118,15 @@ def router(service: Service, guards: Guards) -> APIRouter:
         return task
 
     async def visible_file(file_id: str, tenant: str | None) -> FileRecord:
-        """The file, if it is `tenant`'s (None: any tenant's); else NotFound, whether or not it exists."""
+        """The file, if it is `tenant`'s (None: any tenant's) and not expired; else NotFound, whether or not
+        it exists. An expired file is gone from the moment it expires, not from the sweep's next round."""
         missing = NotFound(f"file {file_id} not found", field="id")
         if not FILE_ID.match(file_id):
             raise missing
         record = await service.read(ctrl.file_record, file_id)
         if record is None or (tenant is not None and record.tenant != tenant):
+            raise missing
+        if record.expires_at is not None and record.expires_at <= ctrl.clock():
             raise missing
         return record
 
@@ -168,13 +173,16 @@ def router(service: Service, guards: Guards) -> APIRouter:
             raise InvalidInput(f"id: {body.id!r} is not a file id (f_ and 28 hex digits)", field="id")
         missing = InvalidInput(f"id: no file {body.id} in this controller's storage; is --storage the same "
                                "shared directory on the controller and the worker?", field="id")  # fmt: skip
+
+        def taken(recorded: FileRecord) -> InvalidInput | Conflict:
+            """Another tenant's record is answered as no file at all: its id tells nothing."""
+            if recorded.tenant == tenant:
+                return Conflict(f"id: file {body.id} is already recorded", field="id")
+            return missing
+
         recorded = await service.read(ctrl.file_record, body.id)
-        if recorded is not None:  # another tenant's is answered as no file at all: its id tells nothing
-            raise (
-                Conflict(f"id: file {body.id} is already recorded", field="id")
-                if recorded.tenant == tenant
-                else missing
-            )
+        if recorded is not None:
+            raise taken(recorded)
         try:
             size, digest = await _blocking(_hash_file, blobs, body.id)
         except FileNotFoundError:
@@ -186,7 +194,13 @@ def router(service: Service, guards: Guards) -> APIRouter:
             )
         now = service.controller.clock()
         record = FileRecord(body.id, tenant, body.name, size, digest, now, expiry(now), task_id)
-        await service.call(ctrl.record_file, record)
+        try:
+            await service.call(ctrl.record_file, record)
+        except IntegrityError:  # recorded by a request that raced this one past the check above
+            recorded = await service.read(ctrl.file_record, body.id)
+            if recorded is None:
+                raise
+            raise taken(recorded) from None
         return file_out(record)
 
     async def send(request: Request, record: FileRecord) -> Any:
@@ -369,9 +383,12 @@ async def _receive_multipart(
         state["headers"] = {}
         state["in_file"] = False
 
-    parser = MultipartParser(boundary, {"on_part_begin": on_part_begin, "on_header_field": on_header_field,
-                                        "on_header_value": on_header_value, "on_header_end": on_header_end,
-                                        "on_headers_finished": on_headers_finished, "on_part_data": on_part_data})  # fmt: skip
+    try:
+        parser = MultipartParser(boundary, {"on_part_begin": on_part_begin, "on_header_field": on_header_field,
+                                            "on_header_value": on_header_value, "on_header_end": on_header_end,
+                                            "on_headers_finished": on_headers_finished, "on_part_data": on_part_data})  # fmt: skip
+    except FormParserError as exc:  # a boundary over its 256 bytes: the client's mistake, not a 500
+        raise InvalidInput(f"Content-Type: {exc}", field="Content-Type") from None
     async for chunk in request.stream():
         try:
             parser.write(chunk)
@@ -396,15 +413,15 @@ async def _receive_multipart(
 
 
 def _hash_file(blobs: Blobs, file_id: str) -> tuple[int, str]:
-    from turnout.blobs import hash_file
-
-    return hash_file(blobs.path(file_id))
+    with blobs.open(file_id) as fh:
+        return hash_file(fh)
 
 
 def _open_blob(blobs: Blobs, file_id: str) -> tuple[BinaryIO, os.stat_result] | None:
-    """The stored file opened for reading, and its size and times from that handle; None when it is gone."""
+    """The stored file opened for reading, and its size and times from that handle; None when it is gone
+    (or is not a regular file: `Blobs.open`)."""
     try:
-        opened = blobs.path(file_id).open("rb")
+        opened = blobs.open(file_id)
     except FileNotFoundError:
         return None
     return opened, os.fstat(opened.fileno())

@@ -107,8 +107,12 @@ class Totals:
 def worker_views(
     workers: Sequence[Worker], active: Iterable[Task], *, viewer_tenant: str | None, now: float
 ) -> list[WorkerView]:
-    """Workers with their GPUs; `viewer_tenant` None sees every task, else other tenants' holds are anonymous."""
-    holds: dict[str, list[GpuHold]] = {}
+    """Workers with their GPUs; `viewer_tenant` None sees every task, else other tenants' holds are anonymous.
+
+    A hold is found by its worker and GPU UUID together: two workers may report the same UUID (fake GPUs are
+    `GPU-fake-0` on every host; a worker may say what it likes), and one worker's task is not on another's GPU.
+    """
+    holds: dict[str, dict[str, list[GpuHold]]] = {}  # worker id -> GPU UUID -> its holds
     running: dict[str, int] = {}
     for t in active:
         running[t.worker_id or ""] = running.get(t.worker_id or "", 0) + 1
@@ -117,7 +121,7 @@ def worker_views(
             continue
         visible = viewer_tenant is None or t.tenant == viewer_tenant
         for uuid in grant.uuids:
-            holds.setdefault(uuid, []).append(
+            holds.setdefault(t.worker_id or "", {}).setdefault(uuid, []).append(
                 GpuHold(
                     tenant=t.tenant if visible else OTHER_TENANTS,
                     memory_bytes=grant.memory_bytes,
@@ -129,7 +133,8 @@ def worker_views(
     out = []
     for w in workers:
         live = {m.get("uuid"): m for m in (w.metrics or {}).get("gpus", []) if isinstance(m, dict)}
-        gpus = tuple(_gpu_view(g, live.get(g.get("uuid")) or {}, holds, w.quarantined) for g in w.gpus)
+        mine = holds.get(w.id, {})
+        gpus = tuple(_gpu_view(g, live.get(g.get("uuid")) or {}, mine, w.quarantined) for g in w.gpus)
         age = max(0.0, now - w.last_heartbeat)
         out.append(
             WorkerView(

@@ -48,12 +48,12 @@ class FileRecords:
             row = conn.execute(sa.select(F).where(F.c.id == file_id)).first()
         return _record(row) if row else None
 
-    def owned(self, file_ids: set[str], tenant: str) -> set[str]:
-        """Which of `file_ids` exist and belong to `tenant`."""
+    def owned(self, file_ids: set[str], tenant: str, now: float) -> set[str]:
         if not file_ids:
             return set()
         with self.store._read() as conn:
-            query = sa.select(F.c.id).where(F.c.id.in_(sorted(file_ids)), F.c.tenant == tenant)
+            query = sa.select(F.c.id).where(F.c.id.in_(sorted(file_ids)), F.c.tenant == tenant,
+                                            sa.or_(F.c.expires_at.is_(None), F.c.expires_at > now))  # fmt: skip
             return {r[0] for r in conn.execute(query)}
 
     def delete(self, file_id: str) -> bool:

@@ -701,10 +701,10 @@ class MemoryFiles:
         with self.store._lock:
             return self.store._files.get(file_id)
 
-    def owned(self, file_ids: set[str], tenant: str) -> set[str]:
-        """Which of `file_ids` exist and belong to `tenant`."""
+    def owned(self, file_ids: set[str], tenant: str, now: float) -> set[str]:
         with self.store._lock:
-            return {i for i in file_ids if (r := self.store._files.get(i)) is not None and r.tenant == tenant}
+            return {i for i in file_ids if (r := self.store._files.get(i)) is not None and r.tenant == tenant
+                    and (r.expires_at is None or r.expires_at > now)}  # fmt: skip
 
     def delete(self, file_id: str) -> bool:
         s = self.store

@@ -314,6 +314,8 @@ class Agent:
             self._beat_now.clear()
             try:
                 metrics = await asyncio.get_running_loop().run_in_executor(None, self._metrics)
+                if self.files.shared is not None:  # its tasks' outputs are not the storage sweep's to take
+                    await asyncio.get_running_loop().run_in_executor(None, self.files.keep_in_use)
                 self._enforce_memory_limits()
                 # bounded by the period: a beat stuck on a dead connection must not hold back the next ones
                 known = await self.client.heartbeat(metrics, self.watch.quarantined(),

@@ -28,6 +28,7 @@ import shutil
 import stat
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,9 @@ log = logging.getLogger("turnout.worker")
 TRANSFER_PATIENCE_S = 300.0  # how long a transfer keeps retrying while the controller cannot be reached
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 10.0
+# an output directory in a shared storage's tmp/ untouched this long is touched (`keep_in_use`), well within
+# the day after which that storage's sweep removes it (`blobs.TMP_MAX_AGE_S`)
+KEEP_ALIVE_S = 3600.0
 
 
 class TaskFileError(Exception):
@@ -114,6 +118,8 @@ class WorkerFiles:
             self.shared.ensure()
         # outputs a rename away from objects/ where there is a shared storage
         self._outputs = _Directories(self.shared.tmp if self.shared is not None else self.scratch)
+        # the output directories of attempts under way, in the shared storage's tmp/ (`keep_in_use`)
+        self._in_use: dict[Path, None] = {}
 
     @property
     def route(self) -> str:
@@ -138,6 +144,8 @@ class WorkerFiles:
             shutil.rmtree(scratch, ignore_errors=True)  # a retry of this attempt on this worker starts clean
             scratch.mkdir(mode=0o700, parents=True)
         files = TaskFiles(scratch, self._outputs.take() if make_output else self._outputs.name())
+        if self.shared is not None:
+            self._in_use[files.output_dir] = None
         try:
             for where, file_id in refs:
                 if file_id not in files.inputs:
@@ -153,8 +161,11 @@ class WorkerFiles:
                                  "message": f"{where}: {file_id!r} is not a file id"})  # fmt: skip
         if self.shared is not None:
             in_place = self.shared.path(file_id)
-            if in_place.exists():
-                return str(in_place)
+            # a regular file, never a link: whoever can write to the storage could put one there to any file
+            # of this host; the controller serves no such file either (`Blobs.open`), so it is fetched instead
+            with contextlib.suppress(OSError):
+                if stat.S_ISREG(in_place.lstat().st_mode):
+                    return str(in_place)
         dest = scratch / "in" / file_id
         dest.parent.mkdir(exist_ok=True)
         try:
@@ -254,15 +265,29 @@ class WorkerFiles:
         for d in (files.scratch, files.output_dir):
             held = _holds(d)
             if held:
-                return False
+                return False  # `cleanup` removes them
             if held is False:
                 there.append(d)
+        self._in_use.pop(files.output_dir, None)
         if there:
             self._outputs.remove_later(there)
         return True
 
+    def keep_in_use(self, now: float | None = None) -> None:
+        """Touch the output directories of the attempts under way that nothing touched for `KEEP_ALIVE_S`.
+
+        They lie in the shared storage's tmp/, whose sweep (`Blobs.remove_stale_tmp`) removes what did not
+        change for a day: a task may run longer than that and write its outputs only at its end. Blocking
+        (a few stats): called off the event loop, with the heartbeat."""
+        now = time.time() if now is None else now
+        for d in list(self._in_use):
+            with contextlib.suppress(OSError):
+                if now - d.stat().st_mtime > KEEP_ALIVE_S:
+                    os.utime(d)
+
     def cleanup(self, files: TaskFiles) -> None:
         """Remove the attempt's directories and all in them (blocking: large files take a while)."""
+        self._in_use.pop(files.output_dir, None)
         for d in (files.scratch, files.output_dir):
             shutil.rmtree(d, ignore_errors=True)
 
@@ -298,8 +323,14 @@ class _Directories:
         while self._stock:
             made = self._stock.popleft()
             self._jobs.put(self._make)
-            if made.is_dir():  # a shared storage's sweep removes what lay in its tmp/ for a day
-                return made
+            try:
+                age = time.time() - made.stat().st_mtime
+            except OSError:
+                continue  # a shared storage's sweep removed it: it lay in its tmp/ for a day
+            if age > KEEP_ALIVE_S:  # made long ago: from now on its task's, as new to that sweep
+                with contextlib.suppress(OSError):
+                    os.utime(made)
+            return made
         return _new_dir(self.root)
 
     def remove_later(self, dirs: list[Path]) -> None:
