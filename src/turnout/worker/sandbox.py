@@ -11,7 +11,12 @@ A sandboxed program gets (DESIGN.md "Security"):
 * new PID, IPC, UTS and cgroup namespaces, so it sees only its own processes; bubblewrap's
   `--die-with-parent` and the namespace's init take every process inside down with the worker's guard;
 * no network (a new network namespace with only loopback) unless the preset says `network: true`;
-* as root, no capabilities (`--cap-drop ALL`), so it cannot mount, `mknod` or reach around the binds.
+* as root, no capabilities (`--cap-drop ALL`), so it cannot mount, `mknod` or reach around the binds;
+  but uid 0 still owns root's files without any capability, so the host-wide knobs of `/proc` (`/proc/sys`,
+  `/proc/sysrq-trigger`, ...) are bound read-only, and what of `/etc` and `/opt` only root (the worker's
+  user) may read is masked (`private_paths`);
+* every tmpfs it can write (`/tmp`, `/dev/shm`) holds at most its memory limit, and the rest of the
+  sandbox's own file system (`/`, `/dev`) is read-only: a tmpfs is memory no rlimit counts.
 
 `bwrap_argv` is pure and tested as a table; the functions below it look at the host once to fill a plan.
 No `--new-session`: the worker starts every program in a new session already, without a terminal, and the
@@ -20,15 +25,20 @@ sandbox must stay in the guard's process group so a timeout's group kill reaches
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
+import logging
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger("turnout.worker")
 
 # Every CUDA process opens these besides its own GPUs' nodes; without them no CUDA context can be made.
 NVIDIA_SHARED_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
@@ -38,6 +48,14 @@ ENV_KEPT = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TERM", "PYTHONPATH")
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt", "/sys")
 # Readable by root even without capabilities (root owns them), so they are hidden behind an empty file.
 MASKED_FILES = ("/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-", "/etc/sudoers")
+# Files that act on the whole host and that uid 0 may write without capabilities (0644/0200 root's): a
+# sandboxed root could set kernel.core_pattern (a command the kernel runs as root, outside) or reboot
+# through sysrq. bubblewrap covers these only where the user it runs as cannot write them: not for root.
+PROC_READ_ONLY = ("/proc/sys", "/proc/sysrq-trigger", "/proc/driver", "/proc/fs", "/proc/acpi", "/proc/scsi")
+# Where a host keeps private files (ssh host keys, TLS keys, cluster credentials) that the worker's user owns;
+# searched once per worker. /usr is left out: package files, and too many of them to look at on each start.
+PRIVATE_SCAN = ("/etc", "/opt")
+PRIVATE_SCAN_LIMIT = 50_000  # entries per directory tree; beyond it the rest of the tree is not searched
 
 
 class Isolation(str, enum.Enum):
@@ -60,6 +78,8 @@ class SandboxPlan:
     symlinks: tuple[tuple[str, str], ...] = ()  # (target, link path): /bin -> usr/bin on merged-/usr hosts
     masks: tuple[str, ...] = ()
     rw_binds: tuple[str, ...] = ()  # bound writable at the same path: the task's output directory (files)
+    masked_dirs: tuple[str, ...] = ()  # replaced by an empty read-only directory
+    tmpfs_bytes: int = 0  # the size of each tmpfs it can write (its memory limit); 0: the kernel's default
     network: bool = False
     drop_caps: bool = True  # as root; an unprivileged bwrap has none to drop and refuses the flag
 
@@ -72,20 +92,27 @@ def bwrap_argv(plan: SandboxPlan) -> list[str]:
         argv.append("--unshare-net")
     if plan.drop_caps:
         argv += ["--cap-drop", "ALL"]
-    argv += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+    argv += ["--dev", "/dev", "--proc", "/proc"]
+    for path in PROC_READ_ONLY:
+        argv += ["--ro-bind-try", path, path]
+    size = ["--size", str(plan.tmpfs_bytes)] if plan.tmpfs_bytes > 0 else []
+    argv += [*size, "--tmpfs", "/dev/shm", *size, "--tmpfs", "/tmp"]
     for path in plan.ro_binds:  # after the private /tmp, so a program kept under /tmp is there
         argv += ["--ro-bind", path, path]
     for target, link in plan.symlinks:
         argv += ["--symlink", target, link]
     for path in plan.masks:
         argv += ["--ro-bind", "/dev/null", path]
+    for path in plan.masked_dirs:
+        argv += ["--tmpfs", path, "--remount-ro", path]
     # after every bind, so no bind (a program's directory) can bring other tasks' directories back
-    argv += ["--tmpfs", plan.workroot, "--bind", plan.workdir, plan.workdir]
+    argv += ["--tmpfs", plan.workroot, "--bind", plan.workdir, plan.workdir, "--remount-ro", plan.workroot]
     for path in plan.rw_binds:
         argv += ["--bind", path, path]
     for node, inside in plan.devices:
         argv += ["--dev-bind", node, inside]
-    argv += ["--chdir", plan.workdir, "--", *plan.command]
+    # last: each remount is of that mount alone, so the binds on it stay as they are
+    argv += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", plan.workdir, "--", *plan.command]
     return argv
 
 
@@ -160,6 +187,57 @@ def system_binds(paths: Sequence[str] = SYSTEM_PATHS) -> tuple[tuple[str, ...], 
         elif os.path.isdir(path):
             binds.append(path)
     return tuple(binds), tuple(links)
+
+
+def private_paths(
+    roots: Iterable[str] = PRIVATE_SCAN, limit: int = PRIVATE_SCAN_LIMIT
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(files, directories) under `roots` that this process's user may read but others may not.
+
+    The sandboxed program runs as the worker's user, and as its owner reads such a file without any
+    capability (root's `0600` ssh host keys, `/etc/ssl/private`, `/etc/kubernetes/admin.conf`); a user who
+    is not the host's could not, and a tenant's program must not. Links are not followed: their targets are
+    judged where they lie. A directory others cannot enter is masked whole, and not searched.
+    """
+    uid, gids = os.geteuid(), {os.getegid(), *os.getgroups()}
+    files: list[str] = []
+    dirs: list[str] = []
+
+    def private(st: os.stat_result, bit: int) -> bool:  # bit: 4 = read (a file), 1 = search (a directory)
+        if st.st_mode & bit:  # others may: nothing to hide
+            return False
+        as_owner = st.st_uid == uid and st.st_mode & (bit << 6)
+        return bool(as_owner or (st.st_gid in gids and st.st_mode & (bit << 3)))
+
+    for root in roots:
+        seen = 0
+        for dirpath, dirnames, filenames in os.walk(root):
+            keep = []
+            for name in dirnames:
+                path = os.path.join(dirpath, name)
+                try:
+                    st = os.lstat(path)
+                except OSError:
+                    continue
+                if not stat.S_ISDIR(st.st_mode):
+                    continue  # a link to a directory: os.walk does not follow it either
+                if private(st, 1):
+                    dirs.append(path)
+                elif st.st_mode & 0o001 or st.st_uid == uid or st.st_gid in gids:
+                    keep.append(name)
+            dirnames[:] = keep
+            for name in filenames:
+                path = os.path.join(dirpath, name)
+                with contextlib.suppress(OSError):
+                    st = os.lstat(path)
+                    if stat.S_ISREG(st.st_mode) and private(st, 4):
+                        files.append(path)
+            seen += len(filenames) + len(dirnames)
+            if seen > limit:
+                log.warning("sandbox: %s holds over %d entries; the rest was not searched for private files",
+                            root, limit)  # fmt: skip
+                break
+    return tuple(files), tuple(dirs)
 
 
 def existing(paths: Iterable[str]) -> tuple[str, ...]:

@@ -32,6 +32,7 @@ from turnout.worker.limits import Limits, TaskCgroup, cgroup_parent, make_cgroup
 from turnout.worker.processes import ProtocolProcess
 from turnout.worker.sandbox import (
     MASKED_FILES,
+    PRIVATE_SCAN,
     Bwrap,
     Isolation,
     SandboxPlan,
@@ -39,6 +40,7 @@ from turnout.worker.sandbox import (
     command_binds,
     device_binds,
     existing,
+    private_paths,
     system_binds,
 )
 
@@ -66,6 +68,8 @@ class SandboxHost:
     cgroup_parent: Path | None
     ro_binds: tuple[str, ...]
     symlinks: tuple[tuple[str, str], ...]
+    masks: tuple[str, ...] = ()  # files only the worker's user may read (sandbox.private_paths), and
+    masked_dirs: tuple[str, ...] = ()  # directories only it may enter: none of them is a tenant's to see
 
 
 def sandbox_host(options: SandboxOptions, bwrap: Bwrap) -> SandboxHost | str:
@@ -81,7 +85,9 @@ def sandbox_host(options: SandboxOptions, bwrap: Bwrap) -> SandboxHost | str:
         return f"the sandboxes' directory {root} must be a directory of this user with mode 0700"
     sweep(root)
     binds, links = system_binds()
-    return SandboxHost(bwrap, options, cgroup_parent(), binds, links)
+    files, dirs = private_paths(r for r in PRIVATE_SCAN if r in binds)  # not through a link: it is one inside
+    return SandboxHost(bwrap, options, cgroup_parent(), binds, links, tuple(sorted({*MASKED_FILES, *files})),
+                       dirs)  # fmt: skip
 
 
 def task_file_binds(env: Mapping[str, str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -136,7 +142,8 @@ class SandboxedProcess(ProtocolProcess):
             plan = SandboxPlan(
                 bwrap=self.host.bwrap.path, command=command, workdir=str(self.workdir),
                 workroot=str(opts.workroot), devices=devices, ro_binds=_outermost_first(self.host.ro_binds, ro),
-                symlinks=links, masks=existing(MASKED_FILES), rw_binds=outputs, network=self.network,
+                symlinks=links, masks=existing(self.host.masks), masked_dirs=existing(self.host.masked_dirs),
+                rw_binds=outputs, tmpfs_bytes=self.limits.memory_bytes, network=self.network,
                 drop_caps=os.geteuid() == 0,
             )  # fmt: skip
             self.argv = guarded_argv([sys.executable, "-m", "turnout.worker.limits", self.cgroup.spec(), "--",
