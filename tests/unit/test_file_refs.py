@@ -8,6 +8,7 @@ import os
 import stat
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -130,6 +131,11 @@ def test_a_workers_scratch_is_named_by_its_tag_and_those_of_gone_workers_are_rem
     assert stale_scratch(tmp_path) == []  # what is left is all alive or not ours
 
 
+def _stand_in(controller: Callable[[httpx.Request], httpx.Response]) -> httpx.AsyncClient:
+    """A client whose controller is `controller`, called in-process."""
+    return httpx.AsyncClient(base_url="http://turnout", transport=httpx.MockTransport(controller))
+
+
 def test_a_link_in_the_shared_storage_is_never_read_as_an_input_file(tmp_path: Path) -> None:
     """Whoever can write to the shared storage could swap a stored file for a link to any file of the worker's
     host: the worker then fetches the file from the controller, which serves no link (`Blobs.open`)."""
@@ -142,9 +148,7 @@ def test_a_link_in_the_shared_storage_is_never_read_as_an_input_file(tmp_path: P
         return httpx.Response(404, json={"error": {"type": "not_found", "message": "no such file"}})
 
     async def scenario() -> None:
-        async with httpx.AsyncClient(
-            base_url="http://turnout", transport=httpx.MockTransport(controller)
-        ) as http:
+        async with _stand_in(controller) as http:
             files = WorkerFiles(http, scratch=tmp_path / "scratch", storage=tmp_path / "shared")
             files.worker_id = "w_1"
             try:
@@ -194,6 +198,36 @@ def test_an_output_directory_in_the_shared_storage_outlives_its_sweep_while_its_
                 handed = await files.prepare({"id": "t_4", "attempt": 1, "input": {}})
                 assert handed.output_dir == stock.output_dir
                 assert time.time() - handed.output_dir.stat().st_mtime < 60
+            finally:
+                files.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_output_directory_of_too_many_files_fails_its_task_before_any_is_sent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("turnout.worker.files.MAX_OUTPUT_FILES", 5)
+    sent: list[str] = []
+
+    def controller(request: httpx.Request) -> httpx.Response:
+        sent.append(request.url.path)
+        return httpx.Response(500)
+
+    async def scenario() -> None:
+        async with _stand_in(controller) as http:
+            files = WorkerFiles(http, scratch=tmp_path / "scratch")
+            files.worker_id = "w_1"
+            try:
+                many = await files.prepare({"id": "t_1", "attempt": 1, "input": {}})
+                for i in range(6):
+                    (many.output_dir / f"part-{i}.txt").write_text(str(i))
+                with pytest.raises(TaskFileError) as refused:
+                    await files.collect(many, {"id": "t_1", "attempt": 1}, {"n": 6})
+                assert refused.value.error["type"] == "output_too_large"
+                assert refused.value.error["field"] == "output_dir"
+                assert "more than 5 files" in str(refused.value)
+                assert sent == []
             finally:
                 files.close()
 

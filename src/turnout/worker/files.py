@@ -18,6 +18,7 @@ import asyncio
 import collections
 import contextlib
 import functools
+import itertools
 import json
 import logging
 import os
@@ -48,6 +49,9 @@ MAX_BACKOFF_S = 10.0
 # an output directory in a shared storage's tmp/ untouched this long is touched (`keep_in_use`), well within
 # the day after which that storage's sweep removes it (`blobs.TMP_MAX_AGE_S`)
 KEEP_ALIVE_S = 3600.0
+# files one task may leave in its output directory: each is an upload and a record, and a handler that leaves
+# a million would hold its worker for an hour and flood the controller's records; pack many into an archive
+MAX_OUTPUT_FILES = 10_000
 
 
 class TaskFileError(Exception):
@@ -186,11 +190,15 @@ class WorkerFiles:
         """Send back what the handler left in its output directory; `output` with their references."""
         if not _holds(files.output_dir):  # the common case, seen with one read: no walk on a thread
             return output
-        found = list(
-            await asyncio.get_running_loop().run_in_executor(None, lambda: list(walk_files(files.output_dir)))
+        found = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: list(itertools.islice(walk_files(files.output_dir), MAX_OUTPUT_FILES + 1))
         )
         if not found:
             return output
+        if len(found) > MAX_OUTPUT_FILES:  # refused before any is sent: none of them is kept
+            raise TaskFileError({"type": "output_too_large", "field": "output_dir",
+                                 "message": f"output_dir: more than {MAX_OUTPUT_FILES:,} files; pack them into an "
+                                            "archive (tar, zip) and leave that"})  # fmt: skip
         params = {"task": lease["id"], "attempt": lease["attempt"]}
         refs: dict[str, dict[str, str]] = {}
         for name, path in found:
