@@ -12,7 +12,8 @@ Kinds:
   KEY` answers a job id; `GET {url}/status/{id}` answers IN_QUEUE, IN_PROGRESS, COMPLETED (with `output`),
   FAILED, CANCELLED or TIMED_OUT; `POST {url}/cancel/{id}` stops it. A result expires 30 minutes after it
   completes, so status is polled every `poll_s` and the output fetched at once. 429 means back off: the
-  `Retry-After` it gives, else doubling from `poll_s`.
+  `Retry-After` it gives (seconds or a date; at most 60 s), else doubling from `poll_s`; a 5xx or a dropped
+  status poll is polled again the same way, until the job's time is up.
 - `http`: `POST {url}` with `{"input": ...}` answers the output as JSON (200), or an error (4xx/5xx).
 
 Which tasks go (`eligible`) is a pure decision; the loop that sends and polls (`Escalator`) lives in the API
@@ -23,15 +24,22 @@ restart resumes polling instead of sending the task twice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import json
 import logging
+import math
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from turnout.errors import InvalidInput, number
+from turnout import jsonsafe
+from turnout.errors import InvalidInput, StorageUnavailable, number
 from turnout.models import Completion, Device, GpuMode, Routing, Task, TaskState, check_capability_name
 
 if TYPE_CHECKING:
@@ -229,6 +237,12 @@ def cloud_cost(endpoint: Endpoint | None, seconds: float | None) -> float | None
 
 # ---- the loop that sends, polls and cancels (in the API process, beside the controller) -------------------
 
+CALL_S = 30.0  # the most one call to a queue endpoint (run, status, cancel) may take, body included
+# the longest back-off a Retry-After gets; the wait is also cut to the time the job has left
+MAX_WAIT_S = 60.0
+# A job id goes into URLs (`{url}/status/{id}`): a plain token, never a path (`../..`), an object or 10 MB
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
+
 
 class _Backoff(Exception):
     def __init__(self, delay_s: float) -> None:
@@ -236,12 +250,40 @@ class _Backoff(Exception):
         self.delay_s = delay_s
 
 
+class _Failed(Exception):
+    """The task fails with `error`; a job already sent is cancelled first (it runs, and bills, no more)."""
+
+    def __init__(self, error: dict[str, Any], run_s: float | None = None) -> None:
+        super().__init__(error.get("message", ""))
+        self.error = error
+        self.run_s = run_s
+
+
+class _Transient(Exception):
+    """A status poll that may well answer next time (5xx, a dropped or hung connection): poll again."""
+
+
+@dataclass(frozen=True)
+class _Answer:
+    status: int
+    body: bytes
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 300
+
+
 class Escalator:
     """Every `tick_s`, claims tasks for their endpoints and follows each one's job until it ends.
 
     A job's outcome is committed like a worker's result (`Controller.complete` with worker `cloud:NAME`), so a
     pipeline's next stage is queued in the same commit. A task cancelled in Turnout has its job cancelled
-    (`POST {url}/cancel/{id}`); a job past the endpoint's `timeout_s` is cancelled and its task fails `timeout`.
+    (`POST {url}/cancel/{id}`); a job past the endpoint's `timeout_s` (or the task's own, if shorter) is
+    cancelled and its task fails `timeout`.
+
+    An endpoint is outside data: every call has a deadline (a slow or silent one cannot hold a task), every
+    answer is read up to `max_worker_body_bytes` and must be strict JSON, a job id must be a plain token, and
+    the endpoint's key is never written into a task, an error or a log.
     """
 
     def __init__(self, service: Service, *, tick_s: float = 0.25,
@@ -249,8 +291,9 @@ class Escalator:
         self.service = service
         self.ctrl = service.controller
         self.tick_s = tick_s
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(30.0), transport=transport)
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(CALL_S), transport=transport)
         self.jobs: dict[str, asyncio.Task[None]] = {}
+        self._lost: set[str] = set()  # tasks whose following stopped on a storage failure: followed again
         self._loop: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -271,6 +314,11 @@ class Escalator:
             log.exception("escalation: could not read the tasks endpoints hold")
         while True:
             try:
+                if self._lost:  # from what the store holds now: its job id, or that it ended meanwhile
+                    for task in await self.service.read(held, self.ctrl):
+                        if task.id in self._lost:
+                            self._follow(task)
+                    self._lost.clear()
                 claimed = await self.service.call(claim, self.ctrl, self.ctrl.clock())
                 if claimed:
                     self.service.changed()
@@ -285,7 +333,18 @@ class Escalator:
             return
         job = asyncio.create_task(self._job(task))
         self.jobs[task.id] = job
-        job.add_done_callback(lambda _: self.jobs.pop(task.id, None))
+        job.add_done_callback(functools.partial(self._ended, task.id))
+
+    def _ended(self, task_id: str, job: asyncio.Task[None]) -> None:
+        """A job's follower is done. One stopped by the database failing (its task neither ended nor given up:
+        the reaper leaves tasks an endpoint holds to this loop) is followed again once the store answers."""
+        self.jobs.pop(task_id, None)
+        exc = None if job.cancelled() else job.exception()
+        if isinstance(exc, StorageUnavailable):
+            log.warning("escalation: following task %s stopped: %s; following it again", task_id, exc)
+            self._lost.add(task_id)
+        elif exc is not None:
+            log.error("escalation: following task %s failed", task_id, exc_info=exc)
 
     async def _job(self, task: Task) -> None:
         settings = self.ctrl.settings.escalation
@@ -296,122 +355,193 @@ class Escalator:
             await self._finish(task, attempt, False, None,
                                {"type": "cloud_error", "message": f"escalation endpoint {name!r} is no longer configured"}, None)  # fmt: skip
             return
+        run_s: float | None = None
         try:
             if endpoint.kind == "runpod":
                 await self._runpod(endpoint, task, attempt)
             else:
                 await self._http(endpoint, task, attempt)
-        except asyncio.CancelledError:
-            raise
+            return
+        except (asyncio.CancelledError, StorageUnavailable):
+            raise  # StorageUnavailable: the job goes on there; it is followed again (`_ended`)
+        except _Failed as failed:
+            error, run_s = failed.error, failed.run_s
         except Exception as exc:
-            log.warning("escalation: task %s on %s failed: %s", task.id, endpoint.name, exc)
-            await self._finish(task, attempt, False, None,
-                               {"type": "cloud_error", "message": f"{endpoint.name}: {type(exc).__name__}: {exc}"}, None)  # fmt: skip
+            error = {"type": "cloud_error", "message": f"{endpoint.name}: {type(exc).__name__}: {exc}"}
+        error = {**error, "message": _secret_out(endpoint, str(error.get("message", "")))}
+        log.warning("escalation: task %s on %s failed: %s", task.id, endpoint.name, error["message"])
+        await self._finish(task, attempt, False, None, error, run_s)
+
+    def _deadline(self, endpoint: Endpoint, task: Task) -> tuple[float, float, str]:
+        """(monotonic time the job began, its deadline, the limit's name): the endpoint's `timeout_s` or the
+        task's own if shorter, counted from when the endpoint was given the task, so a restarted controller
+        does not start the clock again."""
+        limit, which = endpoint.timeout_s, f"{endpoint.name} timeout_s={endpoint.timeout_s:g}"
+        if task.spec.timeout_s is not None and task.spec.timeout_s < limit:
+            limit, which = task.spec.timeout_s, f"the task's timeout_s={task.spec.timeout_s:g}"
+        given = task.leased_at or task.started_at
+        elapsed = max(0.0, self.ctrl.clock() - given) if given else 0.0
+        began = time.monotonic() - elapsed
+        return began, began + limit, which
 
     def _headers(self, endpoint: Endpoint) -> dict[str, str]:
         return {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
 
-    async def _send(self, method: str, url: str, endpoint: Endpoint, **kwargs: Any) -> httpx.Response:
-        """One request; 429 raises _Backoff with the wait it asks for (Retry-After), else doubling poll_s."""
-        resp = await self.http.request(method, url, headers=self._headers(endpoint), **kwargs)
-        if resp.status_code == 429:
-            try:
-                delay = float(resp.headers.get("Retry-After", ""))
-            except ValueError:
-                delay = endpoint.poll_s * 2
-            raise _Backoff(max(0.05, delay))
-        return resp
+    async def _send(self, method: str, url: str, endpoint: Endpoint, deadline: float, *, most_s: float = CALL_S,
+                    body: Any = None) -> _Answer:  # fmt: skip
+        """One request, over by `deadline` (and within `most_s`) whatever the server does, its answer read up to
+        `max_worker_body_bytes` (past it: `_Failed`). A 429 raises _Backoff with the wait it asks for.
+        Redirects are not followed: the key goes to the configured URL only."""
+        left = min(deadline - time.monotonic(), most_s)
+        if left <= 0:
+            raise asyncio.TimeoutError(f"{method} {url}: no time left")
+        return await asyncio.wait_for(self._request(method, url, endpoint, left, body), left)
+
+    async def _request(
+        self, method: str, url: str, endpoint: Endpoint, timeout_s: float, body: Any
+    ) -> _Answer:
+        cap = self.ctrl.settings.request_limits.max_worker_body_bytes
+        kwargs: dict[str, Any] = {} if body is None else {"json": body}
+        async with self.http.stream(method, url, headers=self._headers(endpoint), timeout=timeout_s,
+                                    **kwargs) as resp:  # fmt: skip
+            if resp.status_code == 429:
+                raise _Backoff(_retry_after(resp.headers.get("Retry-After"), endpoint.poll_s * 2))
+            data = bytearray()
+            async for chunk in resp.aiter_bytes():
+                data += chunk
+                if len(data) > cap:
+                    raise _Failed({"type": "cloud_error", "message": f"{endpoint.name} answered more than "
+                                   f"{cap} bytes (max_worker_body_bytes): too large"})  # fmt: skip
+            return _Answer(resp.status_code, bytes(data))
+
+    async def _pause(
+        self, endpoint: Endpoint, task: Task, attempt: int, delay: float, deadline: float
+    ) -> bool:
+        """Wait `delay` (no further than `deadline`), looking every second (or `poll_s`) of a longer wait whether
+        the task is still the endpoint's: False once it is not (cancelled in Turnout). Where the wait ends, the
+        caller looks itself."""
+        until = min(time.monotonic() + delay, deadline)
+        while (left := until - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, max(endpoint.poll_s, 1.0)))
+            if until > time.monotonic() and not await self.service.read(
+                still_held, self.ctrl, task.id, attempt
+            ):
+                return False
+        return True
+
+    def _timed_out(self, endpoint: Endpoint, which: str, what: str, after: str = "") -> _Failed:
+        return _Failed({"type": "timeout", "message": f"{endpoint.name} {what} within {which}{after}"})
 
     async def _runpod(self, endpoint: Endpoint, task: Task, attempt: int) -> None:
         job_id = task.routing.cloud_job if task.routing else None
-        sent_at = time.monotonic()
+        began, deadline, which = self._deadline(endpoint, task)
         while job_id is None:
             if not await self.service.read(still_held, self.ctrl, task.id, attempt):
                 return  # cancelled before it was sent
             try:
-                resp = await self._send(
-                    "POST", f"{endpoint.url}/run", endpoint, json={"input": task.spec.input}
-                )
+                answer = await self._send("POST", f"{endpoint.url}/run", endpoint, deadline,
+                                          body={"input": task.spec.input})  # fmt: skip
             except _Backoff as b:
-                await asyncio.sleep(b.delay_s)
+                await self._pause(endpoint, task, attempt, b.delay_s, deadline)
                 continue
-            if resp.status_code >= 400:
-                await self._finish(task, attempt, False, None, _http_error(endpoint, "run", resp), None)
-                return
-            job_id = str(resp.json()["id"])
+            except asyncio.TimeoutError:
+                raise self._timed_out(endpoint, which, "did not take the job") from None
+            if not answer.ok:
+                raise _Failed(_http_error(endpoint, "run", answer))
+            job_id = _job_id(endpoint, _json(endpoint, "run", answer))
             await self.service.call(record_job, self.ctrl, task.id, attempt, job_id)
+        try:
+            await self._poll(endpoint, task, attempt, job_id, began, deadline, which)
+        except (asyncio.CancelledError, StorageUnavailable):
+            raise
+        except Exception:
+            await self._cancel(endpoint, job_id)
+            raise
+
+    async def _poll(self, endpoint: Endpoint, task: Task, attempt: int, job_id: str, began: float,
+                    deadline: float, which: str) -> None:  # fmt: skip
+        """Poll the job until it ends; a 5xx or a dropped poll is polled again (backing off) until the deadline."""
         delay = endpoint.poll_s
         while True:
             if not await self.service.read(still_held, self.ctrl, task.id, attempt):
                 await self._cancel(endpoint, job_id)  # cancelled in Turnout: stop the job there too
                 return
-            if time.monotonic() - sent_at > endpoint.timeout_s:
-                await self._cancel(endpoint, job_id)
-                await self._finish(task, attempt, False, None, {"type": "timeout",
-                                   "message": f"{endpoint.name} did not finish within its timeout_s={endpoint.timeout_s:g}; job cancelled"}, None)  # fmt: skip
-                return
+            if time.monotonic() >= deadline:
+                raise self._timed_out(endpoint, which, "did not finish the job", "; job cancelled")
             try:
-                resp = await self._send("GET", f"{endpoint.url}/status/{job_id}", endpoint)
+                answer = await self._send("GET", f"{endpoint.url}/status/{job_id}", endpoint, deadline)
+                if answer.status >= 500:
+                    raise _Transient(f"HTTP {answer.status}")
                 delay = endpoint.poll_s
-            except _Backoff as b:
-                delay = max(b.delay_s, delay * 2)
-                await asyncio.sleep(delay)
+            except (_Backoff, _Transient, httpx.TransportError, asyncio.TimeoutError) as exc:
+                delay = max(exc.delay_s if isinstance(exc, _Backoff) else 0.0, delay * 2)
+                log.info("escalation: polling job %s on %s: %s; again in %.3g s", job_id, endpoint.name,
+                         type(exc).__name__, delay)  # fmt: skip
+                await self._pause(endpoint, task, attempt, min(delay, MAX_WAIT_S), deadline)
                 continue
-            if resp.status_code >= 400:
-                await self._finish(task, attempt, False, None, _http_error(endpoint, "status", resp), None)
-                return
-            body = resp.json()
+            if not answer.ok:
+                raise _Failed(_http_error(endpoint, "status", answer))
+            body = _json(endpoint, "status", answer)
             status = body.get("status")
-            run_s = body.get("executionTime")
-            seconds = float(run_s) / 1000.0 if isinstance(run_s, int | float) else time.monotonic() - sent_at
+            wall = time.monotonic() - began
+            seconds = _run_seconds(body.get("executionTime"), wall, deadline - began)
             if status == "COMPLETED":  # fetched at once: results expire 30 minutes after completion
-                await self._finish(task, attempt, True, body.get("output"), None, seconds)
+                await self._finish(task, attempt, True, _output(endpoint, body.get("output")), None, seconds)
                 return
             if status in ("FAILED", "CANCELLED", "TIMED_OUT"):
                 kind = {"FAILED": "cloud_failed", "CANCELLED": "cloud_cancelled", "TIMED_OUT": "timeout"}[
                     status
                 ]
-                await self._finish(task, attempt, False, None, {"type": kind,
-                                   "message": f"{endpoint.name} job {job_id}: {status}: {body.get('error') or ''}".rstrip(": ")}, seconds)  # fmt: skip
+                said = _shown(endpoint, str(body.get("error") or ""))
+                error = {
+                    "type": kind,
+                    "message": f"{endpoint.name} job {job_id}: {status}: {said}".rstrip(": "),
+                }
+                await self._finish(task, attempt, False, None, error, seconds)
                 return
-            await asyncio.sleep(delay)
+            if not await self._pause(endpoint, task, attempt, delay, deadline):
+                await self._cancel(endpoint, job_id)
+                return
 
     async def _cancel(self, endpoint: Endpoint, job_id: str) -> None:
+        deadline = time.monotonic() + CALL_S
         for _ in range(5):
             try:
-                await self._send("POST", f"{endpoint.url}/cancel/{job_id}", endpoint)
+                await self._send("POST", f"{endpoint.url}/cancel/{job_id}", endpoint, deadline)
                 return
             except _Backoff as b:
-                await asyncio.sleep(b.delay_s)
-            except httpx.HTTPError as exc:
-                log.warning("escalation: cancelling job %s on %s failed: %s", job_id, endpoint.name, exc)
+                await asyncio.sleep(min(b.delay_s, max(0.0, deadline - time.monotonic())))
+            except Exception as exc:
+                log.warning("escalation: cancelling job %s on %s failed: %s", job_id, endpoint.name,
+                            _secret_out(endpoint, f"{type(exc).__name__}: {exc}"))  # fmt: skip
                 return
 
     async def _http(self, endpoint: Endpoint, task: Task, attempt: int) -> None:
-        started = time.monotonic()
+        began, deadline, which = self._deadline(endpoint, task)
         await self.service.call(record_job, self.ctrl, task.id, attempt, "http")
         while True:
-            call = asyncio.create_task(self._send("POST", endpoint.url, endpoint, json={"input": task.spec.input},
-                                                  timeout=endpoint.timeout_s))  # fmt: skip
+            if not await self.service.read(still_held, self.ctrl, task.id, attempt):
+                return  # cancelled in Turnout
+            call = asyncio.create_task(self._send("POST", endpoint.url, endpoint, deadline, most_s=endpoint.timeout_s,
+                                                  body={"input": task.spec.input}))  # fmt: skip
             while not call.done():
                 await asyncio.wait({call}, timeout=endpoint.poll_s)
                 if not call.done() and not await self.service.read(still_held, self.ctrl, task.id, attempt):
                     call.cancel()  # cancelled in Turnout: drop the request
                     return
             try:
-                resp = call.result()
+                answer = call.result()
             except _Backoff as b:
-                await asyncio.sleep(b.delay_s)
+                if not await self._pause(endpoint, task, attempt, b.delay_s, deadline):
+                    return
                 continue
-            except httpx.TimeoutException:
-                await self._finish(task, attempt, False, None, {"type": "timeout",
-                                   "message": f"{endpoint.name} did not answer within its timeout_s={endpoint.timeout_s:g}"}, None)  # fmt: skip
-                return
-            seconds = time.monotonic() - started
-            if resp.status_code >= 400:
-                await self._finish(task, attempt, False, None, _http_error(endpoint, "call", resp), seconds)
-            else:
-                await self._finish(task, attempt, True, resp.json(), None, seconds)
+            except (httpx.TimeoutException, asyncio.TimeoutError):
+                raise self._timed_out(endpoint, which, "did not answer") from None
+            seconds = time.monotonic() - began
+            if not answer.ok:
+                raise _Failed(_http_error(endpoint, "call", answer), seconds)
+            output = _output(endpoint, _json(endpoint, "call", answer, want_object=False))
+            await self._finish(task, attempt, True, output, None, seconds)
             return
 
     async def _finish(self, task: Task, attempt: int, ok: bool, output: Any, error: dict[str, Any] | None,
@@ -425,8 +555,77 @@ class Escalator:
             self.service.changed()
 
 
-def _http_error(endpoint: Endpoint, what: str, resp: httpx.Response) -> dict[str, Any]:
+def _retry_after(value: str | None, fallback: float) -> float:
+    """The wait a 429 asks for: `Retry-After` in seconds or as an HTTP date, else `fallback`; a value that is no
+    time at all (NaN, infinite, in the past) counts as the fallback or the least wait, and none is over
+    MAX_WAIT_S."""
+    delay = fallback
+    if value:
+        try:
+            delay = float(value)
+        except ValueError:
+            with contextlib.suppress(TypeError, ValueError, IndexError, OverflowError):
+                delay = parsedate_to_datetime(value).timestamp() - time.time()
+    if not math.isfinite(delay):
+        delay = fallback
+    return min(max(delay, 0.05), MAX_WAIT_S)
+
+
+def _json(endpoint: Endpoint, what: str, answer: _Answer, *, want_object: bool = True) -> Any:
+    try:
+        body = json.loads(answer.body)
+    except ValueError:
+        raise _Failed({"type": "cloud_error", "message": f"{endpoint.name} {what}: answered HTTP {answer.status}"
+                       f" that is not JSON: {_shown(endpoint, answer.body)}"}) from None  # fmt: skip
+    if want_object and not isinstance(body, dict):
+        raise _Failed({"type": "cloud_error", "message": f"{endpoint.name} {what}: answered a JSON "
+                       f"{type(body).__name__}, not an object: {_shown(endpoint, answer.body)}"})  # fmt: skip
+    return body
+
+
+def _job_id(endpoint: Endpoint, body: dict[str, Any]) -> str:
+    job = body.get("id")
+    if isinstance(job, int) and not isinstance(job, bool):
+        job = str(job)
+    if not isinstance(job, str) or not JOB_ID.fullmatch(job):
+        shown = jsonsafe.readable(repr(job), 80)
+        raise _Failed({"type": "cloud_error", "message": f"{endpoint.name} run: answered no usable job id "
+                       f"(1 to 200 letters, digits, . _ : -): {shown}"})  # fmt: skip
+    return job
+
+
+def _output(endpoint: Endpoint, output: Any) -> Any:
+    """The endpoint's output, if strict JSON can carry it (NaN, 1e400 or a lone surrogate fail the task
+    `invalid_output`, naming where: stored, they would be served as null or refused by PostgreSQL)."""
+    where = jsonsafe.problem(output, "output")
+    if where is not None:
+        raise _Failed(jsonsafe.invalid_output(*where, f" (answered by {endpoint.name})"))
+    return output
+
+
+def _run_seconds(execution_ms: Any, wall_s: float, limit_s: float) -> float:
+    """What a job is billed for: RunPod's `executionTime` (ms) where it is a believable duration (a number, not
+    negative, no longer than the job's time limit or the time it has been out), else the time since it was sent."""
+    if isinstance(execution_ms, bool) or not isinstance(execution_ms, int | float):
+        return wall_s
+    seconds = execution_ms / 1000.0
+    return seconds if math.isfinite(seconds) and 0 <= seconds <= max(wall_s, limit_s) else wall_s
+
+
+def _shown(endpoint: Endpoint, raw: bytes | str) -> str:
+    """The start of an answer, for an error: printable, 300 characters, the key blanked before it is cut (a cut
+    key would be kept in part)."""
+    text = raw[:65536].decode("utf-8", "replace") if isinstance(raw, bytes) else raw[:65536]
+    return jsonsafe.readable(_secret_out(endpoint, text), 300)
+
+
+def _secret_out(endpoint: Endpoint, text: str) -> str:
+    """`text` with the endpoint's key blanked: an endpoint (or a proxy) may echo its request's headers back."""
+    return text.replace(endpoint.api_key, "***") if endpoint.api_key else text
+
+
+def _http_error(endpoint: Endpoint, what: str, answer: _Answer) -> dict[str, Any]:
     return {
         "type": "cloud_error",
-        "message": f"{endpoint.name} {what}: HTTP {resp.status_code}: {resp.text[:300]}",
+        "message": f"{endpoint.name} {what}: HTTP {answer.status}: {_shown(endpoint, answer.body)}",
     }

@@ -12,6 +12,9 @@ import math
 from typing import Any
 
 MAX_DEPTH = 64
+INVALID_OUTPUT = "invalid_output"  # the error type of a result (a worker's, an endpoint's) JSON cannot carry
+MAX_PATH_CHARS = 300
+MAX_MESSAGE_CHARS = 2000
 MAX_INT_DIGITS = 4000  # Python refuses to write ints of more than 4,300 digits (sys.get_int_max_str_digits)
 _TOO_LONG_INT = 10**MAX_INT_DIGITS
 
@@ -115,3 +118,23 @@ def _bad_text(text: str) -> str | None:
     except UnicodeEncodeError:
         return "holds a lone UTF-16 surrogate, which no UTF-8 text can carry"
     return None
+
+
+def invalid_output(path: str, why: str, note: str = "") -> dict[str, Any]:
+    """The error of a task whose report JSON cannot carry, naming where: `output.x: nan is not ...`.
+
+    The path may hold the very key that was refused (a lone surrogate) or a long chain of keys: it is made
+    printable and bounded here, so the error itself can always be sent.
+    """
+    path = readable(path, MAX_PATH_CHARS)
+    return {
+        "type": INVALID_OUTPUT,
+        "message": readable(f"{path}: {why}{note}", MAX_MESSAGE_CHARS),
+        "field": path,
+    }
+
+
+def readable(text: str, limit: int) -> str:
+    """`text` as UTF-8 can carry it (a lone surrogate becomes `\\udc80`), cut to `limit` characters."""
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -15,11 +15,8 @@ import json
 import re
 from typing import Any
 
-from turnout.jsonsafe import problem
+from turnout.jsonsafe import invalid_output, problem, readable
 
-INVALID_OUTPUT = "invalid_output"
-MAX_PATH_CHARS = 300
-MAX_MESSAGE_CHARS = 2000
 # The Python runner tags each line it writes with the number of the task it belongs to (the worker gives it in
 # the task's line), first in the object, so a line a handler's thread writes after its task ended is known.
 TASK_TAG = "turnout_seq"
@@ -44,26 +41,6 @@ class InvalidOutput(ValueError):
         super().__init__(f"{path}: {why}")
         self.path = path
         self.why = why
-
-
-def invalid_output(path: str, why: str, note: str = "") -> dict[str, Any]:
-    """The error of a task whose report JSON cannot carry, naming where: `output.x: nan is not ...`.
-
-    The path may hold the very key that was refused (a lone surrogate) or a long chain of keys: it is made
-    printable and bounded here, so the error itself can always be sent.
-    """
-    path = readable(path, MAX_PATH_CHARS)
-    return {
-        "type": INVALID_OUTPUT,
-        "message": readable(f"{path}: {why}{note}", MAX_MESSAGE_CHARS),
-        "field": path,
-    }
-
-
-def readable(text: str, limit: int) -> str:
-    """`text` as UTF-8 can carry it (a lone surrogate becomes `\\udc80`), cut to `limit` characters."""
-    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def encode(body: Any) -> bytes:
