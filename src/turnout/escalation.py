@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("turnout.escalation")
 
 KINDS = ("runpod", "http")
+MIN_POLL_S = 0.05  # each poll is a request to the endpoint and a read of the task: never a tight loop
 ENDPOINT_KEYS = ("capability", "kind", "url", "api_key_env", "price_per_s", "name", "poll_s", "timeout_s")
 # a cloud endpoint is a GPU: only tasks whose gpu value allows a GPU go there
 ESCALATES = frozenset({GpuMode.PREFER, GpuMode.REQUIRE, GpuMode.AUTO})
@@ -132,7 +133,8 @@ def parse_escalation(
         if any(e.capability == capability for e in endpoints):
             raise _bad(f"{at}.capability", f"{capability!r} already has an endpoint")
         endpoints.append(Endpoint(capability, kind, url.rstrip("/"), name, api_key, price,
-                                  _positive(item.get("poll_s", 1.0), f"{at}.poll_s"),
+                                  number(item.get("poll_s", 1.0), f"{at}.poll_s", f"a number of seconds >= {MIN_POLL_S:g}",
+                                         lambda v: v >= MIN_POLL_S),
                                   _positive(item.get("timeout_s", 600.0), f"{at}.timeout_s")))  # fmt: skip
     return EscalationSettings(after_s, tuple(endpoints))
 

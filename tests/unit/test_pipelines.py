@@ -127,6 +127,14 @@ def test_only_tasks_that_allow_a_gpu_and_waited_after_s_escalate(mode: GpuMode, 
     assert eligible(mode, waited, settings, "b") is None
 
 
+@pytest.mark.parametrize("poll_s", [0, 1e-9, 0.049, -1, "fast"])
+def test_an_endpoint_is_never_polled_in_a_tight_loop(poll_s: object) -> None:
+    endpoint = {"capability": "a", "kind": "runpod", "url": "http://x", "poll_s": poll_s}
+    with pytest.raises(InvalidInput) as refused:
+        parse_escalation({"endpoints": [endpoint]})
+    assert refused.value.field == "escalation.endpoints.0.poll_s" and ">= 0.05" in refused.value.message
+
+
 def profile(device: str, run_s: float, cold: float | None = None) -> Profile:
     return Profile("embed", device, None, 5, run_s, cold)
 
