@@ -242,6 +242,7 @@ def cloud_cost(endpoint: Endpoint | None, seconds: float | None) -> float | None
 CALL_S = 30.0  # the most one call to a queue endpoint (run, status, cancel) may take, body included
 # the longest back-off a Retry-After gets; the wait is also cut to the time the job has left
 MAX_WAIT_S = 60.0
+LAST_POLL_S = 10.0  # the status poll made once a job's time is up, in case it ended meanwhile
 # A job id goes into URLs (`{url}/status/{id}`): a plain token, never a path (`../..`), an object or 10 MB
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
 
@@ -462,20 +463,25 @@ class Escalator:
 
     async def _poll(self, endpoint: Endpoint, task: Task, attempt: int, job_id: str, began: float,
                     deadline: float, which: str) -> None:  # fmt: skip
-        """Poll the job until it ends; a 5xx or a dropped poll is polled again (backing off) until the deadline."""
+        """Poll the job until it ends; a 5xx or a dropped poll is polled again (backing off) until the deadline.
+        At the deadline it is polled once more before it is given up: a job that ended meanwhile (while a
+        restarted controller was down, say) keeps its result, which the endpoint holds for 30 minutes."""
         delay = endpoint.poll_s
+        gave_up = self._timed_out(endpoint, which, "did not finish the job", "; job cancelled")
         while True:
             if not await self.service.read(still_held, self.ctrl, task.id, attempt):
                 await self._cancel(endpoint, job_id)  # cancelled in Turnout: stop the job there too
                 return
-            if time.monotonic() >= deadline:
-                raise self._timed_out(endpoint, which, "did not finish the job", "; job cancelled")
+            overdue = time.monotonic() >= deadline
             try:
-                answer = await self._send("GET", f"{endpoint.url}/status/{job_id}", endpoint, deadline)
+                answer = await self._send("GET", f"{endpoint.url}/status/{job_id}", endpoint,
+                                          time.monotonic() + LAST_POLL_S if overdue else deadline)  # fmt: skip
                 if answer.status >= 500:
                     raise _Transient(f"HTTP {answer.status}")
                 delay = endpoint.poll_s
             except (_Backoff, _Transient, httpx.TransportError, asyncio.TimeoutError) as exc:
+                if overdue:
+                    raise gave_up from None
                 delay = max(exc.delay_s if isinstance(exc, _Backoff) else 0.0, delay * 2)
                 log.info("escalation: polling job %s on %s: %s; again in %.3g s", job_id, endpoint.name,
                          type(exc).__name__, delay)  # fmt: skip
@@ -501,6 +507,8 @@ class Escalator:
                 }
                 await self._finish(task, attempt, False, None, error, seconds)
                 return
+            if overdue:
+                raise gave_up
             if not await self._pause(endpoint, task, attempt, delay, deadline):
                 await self._cancel(endpoint, job_id)
                 return

@@ -452,3 +452,46 @@ def test_a_result_that_arrives_while_the_database_is_down_is_committed_once_it_i
     assert task is not None and task.state is TaskState.SUCCEEDED, task
     assert task.output and task.output["ok"] >= 2
     assert state.paths("POST") == ["/rp/run"]  # sent once, and never cancelled
+
+
+def test_a_job_that_ended_while_its_controller_was_down_past_its_deadline_keeps_its_result() -> None:
+    """A restarted controller finds the job's time up: it polls once more before it gives the job up, and a job
+    that completed meanwhile (the endpoint holds its result 30 minutes) succeeds instead of being cancelled."""
+    state = Hostile()
+    now = [1_000_000.0]
+    with hostile_endpoint(state) as url:
+        endpoint = Endpoint("count", "runpod", f"{url}/rp", "pod", None, None, poll_s=0.05, timeout_s=5)
+        settings = ControllerSettings(escalation=EscalationSettings(after_s=0, endpoints=(endpoint,)))
+        ctrl = Controller(MemoryStore(), settings, clock=lambda: now[0])
+        service = FlakyService(ctrl)
+        done = threading.Event()  # set once the controller is "down": the job completes then
+        state.answer = runpod({}, lambda mode: None, lambda mode, n: Reply(200, {"status": "COMPLETED",
+                              "output": {"polls": n}} if done.is_set() else {"status": "IN_PROGRESS"}))  # fmt: skip
+        spec = TaskSpec("count", {"mode": "x"}, gpu=GpuMode.REQUIRE, placement_timeout_s=120)
+        task_id = ctrl.submit("default", [spec], waits_for_capacity=[True])[0].id
+
+        async def follow(until_polled: bool) -> Task | None:
+            escalator = Escalator(service, tick_s=0.05)  # type: ignore[arg-type]
+            await escalator.start()
+            try:
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    task = ctrl.store.get_task(task_id)
+                    if until_polled and state.paths("GET"):
+                        return task
+                    if task is not None and task.state in (TaskState.SUCCEEDED, TaskState.FAILED):
+                        return task
+                    await asyncio.sleep(0.05)
+                return ctrl.store.get_task(task_id)
+            finally:
+                await escalator.stop()
+
+        # Given a job sent and polled, and then the controller down longer than the job's timeout_s
+        asyncio.run(follow(until_polled=True))
+        done.set()
+        now[0] += 60
+        # When a new controller follows it
+        task = asyncio.run(follow(until_polled=False))
+    # Then it took the result, and sent the job only once and never cancelled it
+    assert task is not None and task.state is TaskState.SUCCEEDED, task
+    assert state.paths("POST") == ["/rp/run"]
