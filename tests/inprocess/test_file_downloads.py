@@ -76,3 +76,17 @@ def test_no_handle_stays_open_after_downloads_heads_and_refused_ranges(served: S
             422,
         )
     assert len(os.listdir("/proc/self/fd")) <= before + 2  # what the loop opened, it closed (a little slack)
+
+
+def test_a_range_for_another_copy_of_the_file_is_ignored_and_the_whole_file_sent(served: Served) -> None:
+    """`If-Range` names the copy a client holds a part of: for any other, the range means nothing (RFC 9110
+    13.1.5) and the whole file goes out, even where the range could not be served."""
+    path = f"/v1/files/{_upload(served)}"
+    etag = f'"{hashlib.sha256(DATA).hexdigest()}"'
+    for byte_range in ("bytes=99999999-", "bytes=5-2", "bytes=10-19"):
+        other = served.call("GET", path, headers={"Range": byte_range, "If-Range": '"other"'})
+        assert (other.status_code, other.content) == (200, DATA), byte_range
+    same = served.call("GET", path, headers={"Range": "bytes=10-19", "If-Range": etag})
+    assert (same.status_code, same.content) == (206, DATA[10:20])
+    past = served.call("GET", path, headers={"Range": "bytes=99999999-", "If-Range": etag})
+    assert past.status_code == 416

@@ -29,6 +29,7 @@ import functools
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
+from email.utils import formatdate
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
@@ -210,6 +211,9 @@ def router(service: Service, guards: Guards) -> APIRouter:
             raise NotFound(f"file {record.id} not found (its bytes are gone from the storage)", field="id")
         opened, stat = found
         http_range = request.headers.get("range")
+        if_range = request.headers.get("if-range")
+        if if_range is not None and if_range not in (headers["etag"], formatdate(stat.st_mtime, usegmt=True)):
+            http_range = None  # a copy other than the one it names: the whole file goes out (RFC 9110 13.1.5)
         if http_range is not None:
             try:
                 BigFileResponse._parse_range_header(http_range, stat.st_size)
