@@ -23,6 +23,7 @@ from turnout.errors import InvalidInput
 from turnout.worker import containment
 from turnout.worker.containment import Containment, HostSupport
 from turnout.worker.processes import ProtocolProcess
+from turnout.worker.sandboxed import LIMITS_PREFIX, limits_cgroup_name, sweep_limits
 
 SUPPORT = containment.probe()
 needs_cgroup = pytest.mark.skipif(
@@ -227,3 +228,25 @@ def test_a_process_keeps_the_isolation_its_maker_recorded_beside_what_containmen
 
     assert asyncio.run(scenario()) == {"process_group": True, "pdeathsig": False, "pid_namespace": True,
                                        "cgroup": None, "mode": "sandbox", "network": False}  # fmt: skip
+
+
+@needs_cgroup
+def test_a_starting_sandbox_host_removes_the_limits_cgroups_of_dead_workers_only(scratch_base: Path) -> None:
+    """A sandboxed program joins a limits cgroup under the worker's own cgroup, outside containment's subtree:
+    after a SIGKILLed worker nothing else removes it (nor kills what it holds)."""
+    dead_worker = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead = f"{LIMITS_PREFIX}{containment.worker_tag(dead_worker.pid)}-0badc0de"
+    dead_worker.wait()
+    mine = limits_cgroup_name()
+    for name in (dead, mine, f"{LIMITS_PREFIX}not-a-tag", "p1"):
+        (scratch_base / name).mkdir()
+    orphan = start_in(scratch_base / dead)  # what the dead worker's sandboxed program left running
+    survivor = start_in(scratch_base / mine)
+    try:
+        assert sweep_limits(scratch_base) == [scratch_base / dead]
+        assert wait_exit(orphan) == -9 and survivor.poll() is None
+        assert all((scratch_base / name).is_dir() for name in (mine, f"{LIMITS_PREFIX}not-a-tag", "p1"))
+    finally:
+        for proc in (orphan, survivor):
+            proc.kill()
+            proc.wait()

@@ -15,8 +15,11 @@ containment's record with the sandbox's keys over it (`pid_namespace` is then bu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import os
+import secrets
 import shutil
 import stat
 import sys
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from turnout.worker.containment import destroy_cgroup, owner_alive, worker_tag
 from turnout.worker.guard import guarded_argv
 from turnout.worker.limits import Limits, TaskCgroup, cgroup_parent, make_cgroup
 from turnout.worker.processes import ProtocolProcess
@@ -43,6 +47,9 @@ from turnout.worker.sandbox import (
     private_paths,
     system_binds,
 )
+
+log = logging.getLogger("turnout.worker")
+LIMITS_PREFIX = "turnout-limits-"  # a sandboxed program's limits cgroup, under the worker's own cgroup
 
 
 def default_workroot() -> Path:
@@ -84,10 +91,37 @@ def sandbox_host(options: SandboxOptions, bwrap: Bwrap) -> SandboxHost | str:
         # in a shared /tmp another user could have made it first, to read or swap tasks' files
         return f"the sandboxes' directory {root} must be a directory of this user with mode 0700"
     sweep(root)
+    parent = cgroup_parent()
+    if parent is not None:
+        sweep_limits(parent)
     binds, links = system_binds()
     files, dirs = private_paths(r for r in PRIVATE_SCAN if r in binds)  # not through a link: it is one inside
-    return SandboxHost(bwrap, options, cgroup_parent(), binds, links, tuple(sorted({*MASKED_FILES, *files})),
-                       dirs)  # fmt: skip
+    return SandboxHost(bwrap, options, parent, binds, links, tuple(sorted({*MASKED_FILES, *files})), dirs)
+
+
+def limits_cgroup_name() -> str:
+    """A sandboxed program's limits cgroup, named by this worker's tag (`sweep_limits`) and a random part."""
+    return f"{LIMITS_PREFIX}{worker_tag()}-{secrets.token_hex(4)}"
+
+
+def sweep_limits(parent: Path) -> list[Path]:
+    """Kill and remove the limits cgroups under `parent` of sandboxed programs whose worker is gone.
+
+    They lie outside containment's `turnout/<tag>` subtree (a program joins its limits cgroup, leaving
+    containment's), so the warden of a SIGKILLed worker neither kills nor removes them, and containment's
+    own sweep does not see them. Judged by the worker tag in the name, as containment's are."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for path in sorted(parent.iterdir()):
+            if not path.name.startswith(LIMITS_PREFIX) or not path.is_dir():
+                continue
+            tag = path.name[len(LIMITS_PREFIX) :].rpartition("-")[0]
+            if owner_alive(tag) is False:
+                if destroy_cgroup(path, wait_s=2.0):
+                    removed.append(path)
+                else:
+                    log.warning("could not remove the limits cgroup %s of a dead worker", path)
+    return removed
 
 
 def task_file_binds(env: Mapping[str, str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -131,7 +165,7 @@ class SandboxedProcess(ProtocolProcess):
         opts = self.host.options
         self.workdir = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=opts.workroot))
         try:
-            self.cgroup = make_cgroup(self.limits, self.host.cgroup_parent)
+            self.cgroup = make_cgroup(self.limits, self.host.cgroup_parent, limits_cgroup_name())
             command, needed = command_binds(self.command, self.env, os.getcwd())
             minors = [opts.gpu_minors[i] for i in self.gpu_indices if i in opts.gpu_minors]
             devices = device_binds(opts.dev_dir, minors)
