@@ -41,6 +41,7 @@ import httpx
 from turnout import jsonsafe
 from turnout.errors import InvalidInput, StorageUnavailable, number
 from turnout.models import Completion, Device, GpuMode, Routing, Task, TaskState, check_capability_name
+from turnout.store.replicas import claim_sweep
 
 if TYPE_CHECKING:
     from turnout.api.service import Service
@@ -242,6 +243,8 @@ def cloud_cost(endpoint: Endpoint | None, seconds: float | None) -> float | None
 CALL_S = 30.0  # the most one call to a queue endpoint (run, status, cancel) may take, body included
 # the longest back-off a Retry-After gets; the wait is also cut to the time the job has left
 MAX_WAIT_S = 60.0
+LEAD_S = 10.0  # a replica leading escalation that has not renewed its claim for this long is replaced
+LEAD_RENEW_S = 1.0  # how often the leader renews it (and the others look whether it is still renewed)
 LAST_POLL_S = 10.0  # the status poll made once a job's time is up, in case it ended meanwhile
 # A job id goes into URLs (`{url}/status/{id}`): a plain token, never a path (`../..`), an object or 10 MB
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
@@ -279,6 +282,13 @@ class _Answer:
 class Escalator:
     """Every `tick_s`, claims tasks for their endpoints and follows each one's job until it ends.
 
+    One replica at a time escalates (PostgreSQL with several controllers): the one holding the `escalation`
+    claim (`store.replicas.claim_sweep`), which it renews every LEAD_RENEW_S. A replica that stops renewing
+    (it died, or lost its database) is replaced after LEAD_S by another, which resumes every job an endpoint
+    holds from the job ids on the tasks. So a job is never followed twice (an `http` call sent twice, a RunPod
+    job polled by two), and no job is left unfollowed while a replica runs: the reaper leaves such tasks to
+    this loop. On SQLite the one controller always leads.
+
     A job's outcome is committed like a worker's result (`Controller.complete` with worker `cloud:NAME`), so a
     pipeline's next stage is queued in the same commit. A task cancelled in Turnout has its job cancelled
     (`POST {url}/cancel/{id}`); a job past the endpoint's `timeout_s` (or the task's own, if shorter) is
@@ -310,26 +320,50 @@ class Escalator:
         await self.http.aclose()
 
     async def _run(self) -> None:
-        try:
-            for task in await self.service.read(held, self.ctrl):  # resume what a previous controller sent
-                self._follow(task)
-        except Exception:
-            log.exception("escalation: could not read the tasks endpoints hold")
+        leading, renewed = False, -math.inf
         while True:
             try:
-                if self._lost:  # from what the store holds now: its job id, or that it ended meanwhile
-                    for task in await self.service.read(held, self.ctrl):
-                        if task.id in self._lost:
-                            self._follow(task)
-                    self._lost.clear()
-                claimed = await self.service.call(claim, self.ctrl, self.ctrl.clock())
-                if claimed:
-                    self.service.changed()
-                for task in claimed:
-                    self._follow(task)
+                if time.monotonic() - renewed >= LEAD_RENEW_S:
+                    try:
+                        now_leading = await self.service.call(claim_sweep, self.ctrl.store, "escalation",
+                                                              self.service.replica_id, self.ctrl.clock(), LEAD_S)  # fmt: skip
+                    except Exception:
+                        if leading and time.monotonic() - renewed > LEAD_S / 2:
+                            self._let_go()  # another replica may take over before we know: not both
+                            leading = False
+                        raise
+                    renewed = time.monotonic()
+                    if now_leading and not leading:  # resume what a previous leader (or controller) sent
+                        self._lost.update(t.id for t in await self.service.read(held, self.ctrl))
+                    elif leading and not now_leading:
+                        self._let_go()
+                    leading = now_leading
+                if leading:
+                    await self._escalate()
             except Exception:  # the loop must outlive a bad moment (a full disk)
                 log.exception("escalation: claiming tasks failed")
             await asyncio.sleep(self.tick_s)
+
+    async def _escalate(self) -> None:
+        """The leader's round: follow again what it lost (or must resume), and claim what waited long enough."""
+        if self._lost:  # from what the store holds now: its job id, or that it ended meanwhile
+            for task in await self.service.read(held, self.ctrl):
+                if task.id in self._lost:
+                    self._follow(task)
+            self._lost.clear()
+        claimed = await self.service.call(claim, self.ctrl, self.ctrl.clock())
+        if claimed:
+            self.service.changed()
+        for task in claimed:
+            self._follow(task)
+
+    def _let_go(self) -> None:
+        """Stop following every job (not cancelling any): another replica leads escalation now, and follows them."""
+        log.info("escalation: another replica leads escalation now; it follows the %d jobs followed here",
+                 len(self.jobs))  # fmt: skip
+        for job in list(self.jobs.values()):
+            job.cancel()
+        self._lost.clear()
 
     def _follow(self, task: Task) -> None:
         if task.id in self.jobs:

@@ -399,6 +399,7 @@ class FlakyService:
     def __init__(self, ctrl: Controller) -> None:
         self.controller = ctrl
         self.down = 0
+        self.replica_id = "local"
 
     async def read(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
