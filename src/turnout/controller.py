@@ -8,6 +8,7 @@ controllers (PostgreSQL) the store's conditional updates keep them honest.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import difflib
 import logging
@@ -492,7 +493,7 @@ class Controller:
         for task_id in self._requeue_undelivered(undelivered, now):
             del mine[task_id]
         stale = [tid for tid in dict.fromkeys([*running, *watching]) if tid not in mine]
-        cancel = self._to_stop(worker_id, stale)
+        cancel = self._to_stop(worker, stale)
         finished = tuple(tid for tid in stale if tid not in set(cancel))
         offers = frozenset(v.capability for v in worker.variants)
         fresh = tuple(tid for tid in mine if tid not in held)  # a chained one's lease dates from its start
@@ -703,14 +704,18 @@ class Controller:
             self._queued_tenants = (now, set(self.store.queued_tenants()))
         return self._queued_tenants[1]
 
-    def _to_stop(self, worker_id: str, stale: Sequence[str]) -> list[str]:
+    def _to_stop(self, worker: Worker, stale: Sequence[str]) -> list[str]:
         """Of the tasks a worker runs that are no longer its active leases, those it must kill.
 
-        A task it finished itself (its own result is in) is not among them: the worker is merely behind.
+        A task it finished itself (its own result is in) is not among them: the worker is merely behind. Nor
+        is a task of a tenant it does not serve: it never ran one, and naming it would tell a tenant's private
+        worker that another tenant's task id exists (answered as for an id that never did).
         """
         # most ended here by their own results, which this controller remembers: only the others are read
-        unknown = [tid for tid in stale if self._ended_by.get(tid) != worker_id]
-        return [t.id for t in self.store.get_tasks(unknown) if not _ended_by_its_result(t, worker_id)]
+        unknown = [tid for tid in stale if self._ended_by.get(tid) != worker.id]
+        serves = self.serves_of([worker]).get(worker.id, ALL_TENANTS)
+        return [t.id for t in self.store.get_tasks(unknown)
+                if worker_serves(serves, t.tenant) and not _ended_by_its_result(t, worker.id)]  # fmt: skip
 
     def _remember_ended(self, worker_id: str, ended: Sequence[Task]) -> None:
         """Keep which worker's own result ended these tasks, for `_to_stop` (a terminal task never changes):
@@ -810,7 +815,7 @@ class Controller:
         named = {c.chain for c in completions if c.chain}
         looked = {c.task_id for c in completions} | named
         found = {t.id: t for t in self.store.get_tasks(looked)}
-        chains.taken = named & found.keys()
+        chains.taken = (named & found.keys()) | _named_twice(completions)
         while left:
             chained_before = len(chains.accepted)
             done, left = self._settle_round(worker_id, left, chains, ended, views, found, looked)
@@ -902,7 +907,7 @@ class Controller:
 
     def result_values(self, t: Task, c: Completion, now: float) -> dict[str, Any]:
         """The task's fields once its result `c` is recorded (a failure's state and error are the caller's)."""
-        started = c.started_at or t.started_at or t.leased_at
+        started = _started(t, c, now)
         run_s = c.run_s if c.run_s is not None else (now - started if started else None)
         billed = None if run_s is None else run_s + (c.cold_start_s or 0.0)
         values: dict[str, Any] = {"finished_at": now, "run_s": run_s, "started_at": started,
@@ -914,13 +919,22 @@ class Controller:
 
     def _learn(self, ended: Sequence[Task], by_id: Mapping[str, Completion], now: float) -> None:
         """Note each success for its (capability, device class, GPU model) profile, for `gpu: auto`; the notes
-        are written together about once a second (`profiles.PendingSamples`), not in every result's commit."""
+        are written together about once a second (`profiles.PendingSamples`), not in every result's commit.
+
+        Only what shared workers report: profiles are every tenant's (`auto` routes on them, `--prefetch
+        auto` holds tasks by them, `GET /v1/capabilities` shows them), and a tenant's private worker says what
+        it likes about its own tasks; to every other tenant it is not there."""
+        fleet: dict[str, Worker] | None = None
         for t in ended:
             c = by_id[t.id]
             if not c.succeeded or c.run_s is None or t.device is None or t.worker_id is None:
                 continue
             if t.worker_id.startswith("cloud:"):
                 continue  # a cloud endpoint's time says nothing about local devices
+            fleet = self._fleet() if fleet is None else fleet
+            worker = fleet.get(t.worker_id)
+            if worker is None or self.serves_of([worker]).get(worker.id, ALL_TENANTS) != ALL_TENANTS:
+                continue
             self._run_times.note(t.spec.capability, t.device.value, c.run_s)
             usage = c.usage or {}
             sample = profiles.RunSample(c.run_s, c.cold_start_s, usage.get("peak_gpu_memory_bytes"),
@@ -1239,6 +1253,22 @@ class Controller:
 
 def _audit_tenant(tenant: str) -> str | None:
     return None if tenant == ALL_TENANTS else tenant
+
+
+def _named_twice(completions: Sequence[Completion]) -> set[str]:
+    """The chained ids more than one result of a report names: no worker starts two stages under one id, and
+    creating both would break the report's commit (a 500, for ever, as the worker sends it again): refused."""
+    counts = collections.Counter(c.chain for c in completions if c.chain)
+    return {tid for tid, n in counts.items() if n > 1}
+
+
+def _started(task: Task, c: Completion, now: float) -> float | None:
+    """When the attempt `c` reports began: its worker's word, held between the lease and now. A start in the
+    future gave a negative run_s (and cost); one before the lease, a run longer than the task's time here."""
+    stated = c.started_at
+    if not stated:
+        return task.started_at or task.leased_at
+    return min(max(stated, task.leased_at or task.created_at), now)
 
 
 def _ended_by_its_result(task: Task, worker_id: str) -> bool:

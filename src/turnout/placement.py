@@ -588,7 +588,10 @@ def place(task: Task, worker: Worker, room: Room, facts: Facts, *, now: float,
     if task.spec.gpu is GpuMode.AUTO and cluster.gpu_possible and cluster.cpu_possible:
         # earliest expected finish, once profiles exist (profiles.py); with one class possible there is
         # nothing to weigh, and `auto` routes as `prefer` does without reading the fleet
-        verdict = auto_route(facts.auto(), task.spec.capability, offer, cluster)
+        # the slots and warm processes of the workers that may serve this tenant: another's private ones are
+        # not there for it
+        theirs = replace(facts.auto(), workers=tuple(facts.serving(task.tenant)))
+        verdict = auto_route(theirs, task.spec.capability, offer, cluster)
         if isinstance(verdict, AutoRoute):
             if no_gpu is None:
                 return None  # the other device class finishes it sooner: left for a worker that has it free
