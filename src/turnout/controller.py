@@ -67,6 +67,9 @@ RUNNING_AFTER_S = 0.5  # a leased task the worker reports as running is marked s
 # A lease the worker does not list as held this long after it was given (at least; or one heartbeat period if
 # longer) never reached it: its answer was lost. Longer than any lease round trip.
 UNDELIVERED_AFTER_S = 3.0
+# An unhealthy worker silent this long has left (an agent restarted under a new id, a host gone for good): it
+# is marked gone, so the sweep, the worker list and the dashboard stop reading it twice a second for ever
+WORKER_FORGOTTEN_S = 24 * 3600.0
 UNDELIVERED_FREE = 5  # lost lease answers a task may have before they count against its max_retries
 # what the audit log records (GET /v1/audit?kind=): append-only, one row per event
 AUDIT_KINDS = frozenset({
@@ -1010,9 +1013,11 @@ class Controller:
         heard = dict(heard or {})  # a copy: the API adds to it from another thread
         changed = False
         workers = self.store.list_workers()
+        # the workers not gone, as this sweep leaves them: a gone one holds nothing
+        by_id: dict[str, Worker] = {}
         for w in workers:
-            seen = max(w.last_heartbeat, heard.get(w.id, 0.0), self.started_at)
-            silent = w.state in LIVE_WORKER_STATES and now - seen > 3 * w.heartbeat_s
+            last = max(w.last_heartbeat, heard.get(w.id, 0.0))
+            silent = w.state in LIVE_WORKER_STATES and now - max(last, self.started_at) > 3 * w.heartbeat_s
             if silent and self.store.update_worker(
                 w.id, LIVE_WORKER_STATES, state=WorkerState.UNHEALTHY.value
             ):
@@ -1022,7 +1027,12 @@ class Controller:
                                                                       "reason": "missed three heartbeats"})  # fmt: skip
                 log.warning("worker %s missed three heartbeats: unhealthy", w.name, extra={"worker_id": w.id})
                 changed = True
-        by_id: dict[str, Worker] = {w.id: w for w in self.store.list_workers(include_gone=True)}
+                w = replace(w, state=WorkerState.UNHEALTHY)
+            elif self._forget_silent(w, now - last):
+                self._fleet_cache = None  # its tasks went back to the queue when it fell silent
+                changed = True
+                continue
+            by_id[w.id] = w
         lost: list[Task] = []
         overdue: list[Change] = []
         overdue_tasks: list[Task] = []
@@ -1056,6 +1066,16 @@ class Controller:
         changed |= self._expire_unplaceable(now, [w for w in workers if w.state is WorkerState.HEALTHY])
         changed |= self.runs.sweep()  # stages that ended by timeout, lost workers, no capacity
         return changed
+
+    def _forget_silent(self, worker: Worker, silent_s: float) -> bool:
+        """Mark an unhealthy worker silent for WORKER_FORGOTTEN_S gone; whether it was."""
+        if worker.state is not WorkerState.UNHEALTHY or silent_s <= WORKER_FORGOTTEN_S:
+            return False
+        if not self.store.update_worker(worker.id, (WorkerState.UNHEALTHY,), state=WorkerState.GONE.value):
+            return False
+        record = {"worker": worker.id, "reason": "silent for a day"}
+        self.audit("worker_left", self.worker_tenant(worker.id), record)
+        return True
 
     def _expire_unplaceable(self, now: float, healthy: Sequence[Worker]) -> bool:
         """Fail tasks no live worker could serve for their whole `placement_timeout_s` (`no_capacity`).

@@ -29,7 +29,8 @@ from typing import Any
 import pytest
 
 from tests.inprocess.harness import HEARTBEAT_S, SHOUT_CPU, SHOUT_GPU, Harness
-from turnout.controller import UNDELIVERED_AFTER_S
+from turnout.controller import UNDELIVERED_AFTER_S, WORKER_FORGOTTEN_S
+from turnout.errors import NotFound
 from turnout.models import GpuMode, Routing, Task, TaskState
 from turnout.resources import parse_resources
 
@@ -247,6 +248,45 @@ def test_a_worker_that_leaves_requeues_its_tasks_and_a_drained_one_gets_none(h: 
     h.ctrl.drain(draining, by="k_1")
     assert h.lease(draining) == []
     assert [r["worker"] for r in h.audit("worker_drained")] == [draining]
+
+
+def test_a_worker_silent_for_a_day_is_gone_and_the_sweep_reads_no_gone_worker(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent restarted under a new id, a host gone for good: its row must not be read twice a second for ever."""
+    silent, alive = h.worker("silent"), h.worker("alive")
+
+    def state(worker_id: str) -> str:
+        found = h.ctrl.store.get_worker(worker_id)
+        assert found is not None
+        return found.state.value
+
+    t = h.submit(gpu=GpuMode.NEVER)
+    assert [le.task.id for le in h.lease(silent)] == [t]
+    h.ctrl.reap()  # the clock starts
+    h.silent_for(LEASE_S + 1, alive)
+    h.ctrl.reap()
+    assert state(silent) == "unhealthy" and h.state(t) is TaskState.QUEUED
+    h.clock.advance(WORKER_FORGOTTEN_S - LEASE_S - 2 * HEARTBEAT_S)
+    h.ctrl.heartbeat(alive)
+    h.ctrl.reap()
+    assert state(silent) == "unhealthy"  # not yet a day
+    h.silent_for(2 * HEARTBEAT_S, alive)
+    reads: list[bool] = []
+    listed = h.ctrl.store.list_workers
+
+    def counted(include_gone: bool = False) -> list[Any]:
+        reads.append(include_gone)
+        return listed(include_gone=include_gone)
+
+    monkeypatch.setattr(h.ctrl.store, "list_workers", counted)
+    assert h.ctrl.reap()
+    assert state(silent) == "gone" and state(alive) == "healthy"
+    assert [r["reason"] for r in h.audit("worker_left")] == ["silent for a day"]
+    assert h.ctrl.reap() is False and reads and not any(reads)  # the sweep never read a gone worker
+    with pytest.raises(NotFound):  # it comes back: it registers again
+        h.ctrl.heartbeat(silent)
+    assert h.lease(alive)[0].task.id == t
 
 
 def test_fair_shared_worker_takes_the_tenants_queues_in_turn(h: Harness) -> None:
