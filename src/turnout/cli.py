@@ -525,6 +525,7 @@ def run_pipeline(
     as_json: bool = typer.Option(False, "--json", help="Print the finished run as JSON, no live display."),
 ) -> None:
     """Run a pipeline: a live display of each stage (state, device, seconds), then a cost table."""
+    from turnout.cli_output import terminal_safe
     from turnout.cli_runs import cost_table, follow_run, saving_line
 
     options = {"gpu": _gpu_flag(gpu)} if gpu else {}
@@ -540,7 +541,8 @@ def run_pipeline(
         out.print(cost_table(run))
         out.print(saving_line(run), markup=False, highlight=False)
         if run["error"]:
-            err.print(f"error: {run['error'].get('message')}", markup=False, highlight=False, soft_wrap=True)
+            err.print(f"error: {terminal_safe(run['error'].get('message'))}", markup=False, highlight=False,
+                      soft_wrap=True)  # fmt: skip
         if run["output"] is not None:
             out.print_json(json.dumps(run["output"]))
     if run["state"] != "succeeded":

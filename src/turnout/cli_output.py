@@ -94,6 +94,18 @@ def error_line(message: str, fix: str) -> str:
     return f"error: {one} (fix: {fix})" if fix else f"error: {one}"
 
 
+CONTROL_CHARACTERS = (*range(0x20), *range(0x7F, 0xA0))  # C0, DEL and C1: ESC and CSI among them
+_KEEP_LINES = {c: " " for c in CONTROL_CHARACTERS if c not in (0x09, 0x0A)}
+_ONE_LINE = dict.fromkeys(CONTROL_CHARACTERS, " ")
+
+
+def terminal_safe(value: Any, *, one_line: bool = False) -> str:
+    """What the controller sent (an error message, a worker's GPU name, a routing reason) as text a terminal
+    only shows: its control characters as spaces, so no escape sequence in it can clear or retitle the user's
+    terminal or forge lines. `one_line`: line breaks and tabs too (a table cell)."""
+    return ("" if value is None else str(value)).translate(_ONE_LINE if one_line else _KEEP_LINES)
+
+
 def summary(task: dict[str, Any]) -> str:
     """`succeeded in 0.012 s on cpu, worker local: no healthy gpu worker` or `failed (timeout: ...)`."""
     state = task.get("state", "?")
@@ -108,7 +120,7 @@ def summary(task: dict[str, Any]) -> str:
     error = task.get("error")
     if state != "succeeded" and error:
         head += f" [{error.get('type', 'error')}: {error.get('message', '')}]"
-    return head
+    return terminal_safe(head)
 
 
 def task_table(task: dict[str, Any]) -> Table:

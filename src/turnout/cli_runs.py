@@ -15,6 +15,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from turnout.cli_output import terminal_safe
+
 STATE_STYLE = {"succeeded": "green", "failed": "red", "cancelled": "yellow", "running": "cyan", "leased": "cyan",
                "queued": "white", "pending": "dim"}  # fmt: skip
 
@@ -27,15 +29,24 @@ def usd(x: float | None) -> str:
     return "-" if x is None else f"${x:.6f}"
 
 
+def _cell(value: Any) -> Text:
+    """A value the controller sent, shown as plain text: never read as rich markup (a `[/x]` in a worker's GPU
+    name or a reason raised MarkupError, and the run's display died), control characters as spaces (an ESC
+    sequence there could clear or retitle the user's terminal)."""
+    return Text(terminal_safe(value, one_line=True))
+
+
 def stage_table(run: dict[str, Any]) -> Table:
     """Each stage: its state, where it ran, and how long it queued, cold-started and ran."""
-    table = Table(title=f"{run['pipeline']} {run['id']}: {run['state']}", title_justify="left")
+    table = Table(title=_cell(f"{run['pipeline']} {run['id']}: {run['state']}"), title_justify="left")
     for col in ("#", "stage", "state", "device", "gpu model", "queue s", "cold s", "run s", "why there"):
         table.add_column(col, justify="right" if col.endswith(" s") or col == "#" else "left")
     for st in run["stages"]:
-        table.add_row(str(st["index"] + 1), st["capability"], Text(st["state"], style=STATE_STYLE.get(st["state"], "")),
-                      st["device"] or "", st["gpu_model"] or "", _s(st["queue_s"]), _s(st["cold_start_s"]),
-                      _s(st["run_s"]), st.get("reason") or "")  # fmt: skip
+        state = _cell(st["state"])
+        state.stylize(STATE_STYLE.get(st["state"], ""))
+        table.add_row(str(st["index"] + 1), _cell(st["capability"]), state, _cell(st["device"]),
+                      _cell(st["gpu_model"]), _s(st["queue_s"]), _s(st["cold_start_s"]), _s(st["run_s"]),
+                      _cell(st.get("reason")))  # fmt: skip
     return table
 
 
@@ -46,7 +57,7 @@ def cost_table(run: dict[str, Any]) -> Table:
         table.add_column(col, justify="right" if col in ("seconds", "cost", "on the GPU") else "left")
     for st in run["stages"]:
         seconds = (st["run_s"] or 0.0) + (st["cold_start_s"] or 0.0) if st["run_s"] is not None else None
-        table.add_row(st["capability"], st["device"] or "", (st["worker"] or "")[:16], _s(seconds),
+        table.add_row(_cell(st["capability"]), _cell(st["device"]), _cell((st["worker"] or "")[:16]), _s(seconds),
                       usd(st["cost_usd"]), "")  # fmt: skip
     table.add_row("total", "", "", _s(run.get("run_s")), usd(run.get("cost_usd")), usd(run.get("gpu_only_cost_usd")),
                   style="bold")  # fmt: skip

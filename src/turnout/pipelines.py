@@ -10,11 +10,12 @@ Nothing here does I/O: `runs.py` reads tasks from the store, asks these function
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from turnout.config import Prices
+from turnout.config import Prices, RequestLimits, describe_bytes
 from turnout.errors import InvalidInput, number
 from turnout.models import Device, GpuMode, Task, TaskState, check_capability_name
 from turnout.routing import ClusterView, Route, WorkerOffer, route
@@ -140,6 +141,23 @@ def stage_input(run_input: Mapping[str, Any], outputs: Sequence[tuple[str, Any]]
     return data
 
 
+def oversized_input(
+    stages: Sequence[Stage], index: int, data: Any, limits: RequestLimits
+) -> dict[str, Any] | None:
+    """The run's error where stage `index`'s input (the run's input and every output before it) is over
+    `max_input_bytes`, as a client's task input over it is refused; None where it fits. Unbounded, each stage's
+    input holds all the outputs before it, and its row a copy: eight stages passing 30 MB each took a
+    controller to 4 GB, its heartbeat answers late, and a 210 MB lease to the last stage's worker."""
+    size = len(json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8"))
+    if size <= limits.max_input_bytes:
+        return None
+    capability = stages[index].capability
+    return {"type": "payload_too_large", "stage": index, "capability": capability,
+            "message": f"stage {index} ({capability}) input: {describe_bytes(size)} of JSON (the run's input and the "
+                       f"outputs before it); {limits.describe('max_input_bytes')} (pass large data between stages "
+                       'as files: {"$file": ID})'}  # fmt: skip
+
+
 def stage_gpu(stage: Stage, run_gpu: GpuMode | None) -> GpuMode:
     """A stage's own gpu wins; the run's applies to stages that set none; else auto."""
     return stage.gpu or run_gpu or GpuMode.AUTO
@@ -214,9 +232,12 @@ def run_costs(prices: Prices, tasks: Sequence[Task | None]) -> tuple[float | Non
 
     gpu_only prices every stage's seconds as the GPU that ran the run's GPU stage (the first stage that ran on a
     GPU; the plain `gpu` price when none did), so a mixed pipeline's saving shows on every run. A stage that ran
-    on a GPU counts as it was billed (its share of that GPU) in both totals.
+    on a GPU counts as it was billed (its share of that GPU) in both totals. A stage that ran on a device the
+    prices leave out makes cost_usd None: a partial sum bills its seconds as free (all CPU: "$0, 100% saved").
     """
     done = [t for t in tasks if t is not None]
+    unpriced = any(t.cost_usd is None and t.device is not None and (t.run_s is not None or t.cold_start_s is not None)
+                   and prices.per_second(t.device.value, t.gpu_model) is None for t in done)  # fmt: skip
     model = next((t.gpu_model for t in done if t.device is not None and t.device.value == "gpu"), None)
     total = 0.0
     gpu_total = 0.0
@@ -235,7 +256,7 @@ def run_costs(prices: Prices, tasks: Sequence[Task | None]) -> tuple[float | Non
     if not priced:
         return None, None
     gpu_priced = prices.per_second("gpu", model) is not None
-    return round(total, 10), (round(gpu_total, 10) if gpu_priced else None)
+    return (None if unpriced else round(total, 10)), (round(gpu_total, 10) if gpu_priced else None)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ the controller did not decide: a chained stage's task, events and result exist o
 from __future__ import annotations
 
 import collections
+import contextlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -47,8 +48,10 @@ from turnout.pipelines import (
     PipelineRun,
     RunState,
     Stage,
+    Step,
     chain_route,
     next_step,
+    oversized_input,
     stage_gpu,
     stage_input,
 )
@@ -189,17 +192,26 @@ class PipelineRuns:
         run = self.get(tenant, run_id)
         if run.state.terminal:
             raise Conflict(f"pipeline run {run_id} already {run.state.value}", field="id")
+        error = {"type": "cancelled", "message": "cancelled by request"}
+        while True:  # each turn the run ended, or another controller moved it on by a stage: it ends
+            self._cancel_stages(run, by)  # advances this run to cancelled as its stage ends
+            run = self.get(tenant, run_id)
+            if run.state.terminal:
+                return run
+            # its stage had just ended between our reads (another controller queued the next): end it here,
+            # and cancel the stage that was queued, which would otherwise run for a cancelled run
+            if self.store.update_run(run.id, len(run.task_ids), {"state": RunState.CANCELLED, "error": error,
+                                                                 "finished_at": self.ctrl.clock()}):  # fmt: skip
+                self._cancel_stages(run, by)
+                return self.get(tenant, run_id)
+
+    def _cancel_stages(self, run: PipelineRun, by: str | None) -> None:
+        """Cancel the run's stages not ended as read; one that ended since (another controller recorded its
+        result) is left as it ended, not a Conflict: the run's cancel goes on."""
         for task in self.tasks_of(run):
             if task is not None and not task.state.terminal:
-                self.ctrl.cancel(
-                    run.tenant, task.id, by=by
-                )  # advances this run to cancelled as its task ends
-        run = self.get(tenant, run_id)
-        if not run.state.terminal:  # its stage had just ended between our reads: cancel what is left
-            error = {"type": "cancelled", "message": "cancelled by request"}
-            self.store.update_run(run.id, len(run.task_ids), {"state": RunState.CANCELLED, "error": error,
-                                                              "finished_at": self.ctrl.clock()})  # fmt: skip
-        return self.get(tenant, run_id)
+                with contextlib.suppress(Conflict):
+                    self.ctrl.cancel(run.tenant, task.id, by=by)
 
     # ---- moving runs on ----------------------------------------------------------------------
 
@@ -269,6 +281,12 @@ class PipelineRuns:
         ] = {}  # each worker's active tasks: unchanged until this step's insert
         while step.next_stage is not None:
             task = self._stage_task(run, step.next_stage, started, now)
+            limits = self.ctrl.settings.request_limits
+            if (
+                too_large := oversized_input(run.stages, step.next_stage, task.spec.input, limits)
+            ) is not None:
+                step = Step(RunState.FAILED, error=too_large)  # a stage it chained is refused: never created
+                break
             chained = self._chain_of(task, started[-1], chains, now, active) if chains else None
             report = chains.success_of(chained.id) if chains and chained else None
             if chained is None or report is None:
