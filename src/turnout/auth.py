@@ -44,6 +44,9 @@ class TokenBook:
     def __init__(self, store: Store) -> None:
         self.store = store
         self._cache: dict[str, tuple[float, Principal | None]] = {}
+        self._alive: dict[str, tuple[float, bool]] = {}  # token id -> (when looked up, not revoked then)
+        # bumped by `forget`: a lookup that began before a revocation committed must not cache what it read
+        self._generation = 0
 
     def create(self, role: Role, tenant: str) -> tuple[str, str]:
         """Returns (token id, token), for a (role, tenant) already checked. The token itself is never stored."""
@@ -64,14 +67,24 @@ class TokenBook:
             visible(by, tenant, f"tenant {tenant}", "tenant")
         return self.store.list_tokens(tenant if tenant is not None else by.scope)
 
-    def revoke(self, by: Principal, token_id: str) -> dict[str, Any]:
-        """Revoke a token of `by`'s tenant (any, for the operator); another tenant's token is 404."""
+    def revoke(self, by: Principal, token_id: str) -> tuple[dict[str, Any], bool]:
+        """Revoke a token of `by`'s tenant (any, for the operator); another tenant's token is 404. Returns its
+        row and whether this call revoked it (False: it already was). Runs inside a transaction: the caller
+        calls `forget` once it committed."""
         row = self.store.get_token(token_id)
         if row is None or not _may_manage(by, row["tenant"]):
             raise NotFound(f"token {token_id} not found", field="id")
-        self.store.revoke_token(token_id, time.time())
+        return row, self.store.revoke_token(token_id, time.time())
+
+    def forget(self) -> None:
+        """Drop every cached lookup, once a revocation is committed (here or on another replica).
+
+        Not before the commit: a request verified in between reads the token as still valid and would cache it
+        so for `CACHE_S` after the revocation was answered. A lookup that began before this call caches nothing.
+        """
+        self._generation += 1
         self._cache.clear()
-        return row
+        self._alive.clear()
 
     def cached(self, header: str | None) -> Principal | None:
         """The principal if this token was looked up in the last few seconds (raises if it was bad); else None."""
@@ -85,19 +98,50 @@ class TokenBook:
         now = time.monotonic()
         hit = self._cache.get(digest)
         if hit is None or now - hit[0] > self.CACHE_S:
+            generation = self._generation
             row = self.store.find_token(digest)
             principal = None
             if row and row["revoked_at"] is None:
                 principal = Principal(row["id"], Role(row["role"]), row["tenant"])
-            if len(self._cache) > 10_000:
-                self._cache.clear()
-            self._cache[digest] = hit = (now, principal)
+            hit = (now, principal)
+            if generation == self._generation:  # else a revocation committed since the row was read
+                if len(self._cache) > 10_000:
+                    self._cache.clear()
+                self._cache[digest] = hit
+                if row:
+                    self._remember(row["id"], now, principal is not None)
         return _known(hit[1])
+
+    def alive_cached(self, token_id: str) -> bool | None:
+        """Whether the token `token_id` was valid when last looked up, in the last `CACHE_S`; None: not known."""
+        hit = self._alive.get(token_id)
+        return None if hit is None or time.monotonic() - hit[0] > self.CACHE_S else hit[1]
+
+    def alive(self, token_id: str) -> bool:
+        """Whether the token `token_id` is still valid (not revoked), for a request admitted earlier and still
+        held open (a long poll, an event stream): from the cache, or the database at most once per `CACHE_S`."""
+        cached = self.alive_cached(token_id)
+        if cached is not None:
+            return cached
+        now, generation = time.monotonic(), self._generation
+        row = self.store.get_token(token_id)
+        valid = row is not None and row["revoked_at"] is None
+        if generation == self._generation:
+            self._remember(token_id, now, valid)
+        return valid
+
+    def _remember(self, token_id: str, now: float, valid: bool) -> None:
+        if len(self._alive) > 10_000:
+            self._alive.clear()
+        self._alive[token_id] = (now, valid)
+
+
+UNKNOWN_TOKEN = "unknown or revoked token"
 
 
 def _known(principal: Principal | None) -> Principal:
     if principal is None:
-        raise Unauthorized("unknown or revoked token")
+        raise Unauthorized(UNKNOWN_TOKEN)
     return principal
 
 

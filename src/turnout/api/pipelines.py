@@ -23,7 +23,7 @@ from turnout.api.schemas import GPU_SCHEMA, MAX_WAIT_S, FastJSON, Strict, check_
 from turnout.api.service import Service, Signal
 from turnout.api.strictjson import StrictJsonRoute
 from turnout.config import Prices
-from turnout.errors import InvalidInput
+from turnout.errors import InvalidInput, Unauthorized
 from turnout.models import GpuMode, Task, new_id
 from turnout.pipelines import PipelineRun, RunState, run_costs, stage_gpu
 
@@ -53,8 +53,11 @@ def router(service: Service, guards: Guards) -> PipelineRoutes:
     runs = ctrl.runs
     limits = ctrl.settings.request_limits
 
-    async def answer(tenant: str | None, run_id: str, wait: float, status_code: int = 200) -> FastJSON:
-        """The run once it ends or `wait` seconds pass, encoded in one step (a waiting client is on the clock)."""
+    async def answer(
+        tenant: str | None, run_id: str, wait: float, token_id: str, status_code: int = 200
+    ) -> FastJSON:
+        """The run once it ends or `wait` seconds pass, encoded in one step (a waiting client is on the clock).
+        A wait whose token (`token_id`) is revoked meanwhile ends with a 401, as its next request would."""
         deadline = time.monotonic() + wait
         with service.watch_tasks([run_id]) as ended:  # a result that ends one of its stages names the run
             while True:
@@ -66,6 +69,7 @@ def router(service: Service, guards: Guards) -> PipelineRoutes:
                 if run.state.terminal or left <= 0:
                     return FastJSON(run_out(run, tasks, ctrl.settings.prices), status_code=status_code)
                 await Signal.wait_any([ended, signal], min(left, service.recheck_s))
+                await service.still_valid(token_id)
 
     def _run_and_tasks(tenant: str | None, run_id: str) -> tuple[PipelineRun, list[Task | None]]:
         run = runs.get(tenant, run_id)
@@ -98,12 +102,17 @@ def router(service: Service, guards: Guards) -> PipelineRoutes:
         with service.watch_tasks([run_id]) as ended:  # from before it exists: it may end before we look
             signal = service.tasks_changed.current()
             # an idle worker's parked poll may lease its first stage in the same commit
-            await service.submit(p.home_tenant,
+            run, first_task = await service.submit(p.home_tenant,
                                  functools.partial(runs.start, p.home_tenant, name, body.input, gpu, run_id=run_id),
                                  [(first.capability, p.home_tenant)], queued=lambda started: [started[1]])  # fmt: skip
-            if wait > 0:  # a run just started is running: nothing to read before it could have ended
-                await Signal.wait_any([ended, signal], min(wait, service.recheck_s))
-            return await answer(p.scope, run_id, max(0.0, deadline - time.monotonic()), 201)
+            try:
+                if wait > 0:  # a run just started is running: nothing to read before it could have ended
+                    await Signal.wait_any([ended, signal], min(wait, service.recheck_s))
+                    await service.still_valid(p.token_id)
+                return await answer(p.scope, run_id, max(0.0, deadline - time.monotonic()), p.token_id, 201)
+            except Unauthorized:  # its token was revoked as it waited: the run stands, nothing newer is told
+                stages: list[Task | None] = [first_task, *([None] * (len(run.stages) - 1))]
+                return FastJSON(run_out(run, stages, ctrl.settings.prices), status_code=201)
 
     @api.get("/v1/pipeline-runs")
     async def list_runs(
@@ -129,13 +138,13 @@ def router(service: Service, guards: Guards) -> PipelineRoutes:
     async def get_run(
         run_id: str, wait: float = Query(0, ge=0, le=MAX_WAIT_S), p: Principal = need(Action.READ)
     ) -> FastJSON:
-        return await answer(p.scope, run_id, wait)
+        return await answer(p.scope, run_id, wait, p.token_id)
 
     @api.post("/v1/pipeline-runs/{run_id}/cancel", response_class=FastJSON)
     async def cancel(run_id: str, p: Principal = need(Action.SUBMIT)) -> FastJSON:
         await service.call(runs.cancel, p.scope, run_id, by=p.token_id)
         service.changed()
-        return await answer(p.scope, run_id, 0)
+        return await answer(p.scope, run_id, 0, p.token_id)
 
     return PipelineRoutes(api, start_answer)
 

@@ -186,6 +186,7 @@ def router(service: Service, guards: Guards, metrics: Metrics) -> WorkerRoutes:
                                               min(left, service.recheck_s, result.retry_in_s or service.recheck_s))  # fmt: skip
                     finally:
                         poll.ask = None
+                await service.still_valid(me.token_id)  # a worker whose token was revoked takes no more tasks
 
     @api.post("/v1/workers/{worker_id}/complete", response_class=FastJSON)
     async def complete(worker_id: str, body: CompleteIn, me: WorkerCredential = this_worker()) -> FastJSON:

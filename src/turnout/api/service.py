@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from turnout.access import ALL_TENANTS
-from turnout.auth import TokenBook, WorkerKeys
+from turnout.auth import UNKNOWN_TOKEN, TokenBook, WorkerKeys
 from turnout.controller import Controller, LeaseResult
-from turnout.errors import NotFound, RateLimited, StorageUnavailable
+from turnout.errors import NotFound, RateLimited, StorageUnavailable, Unauthorized
 from turnout.lanes import WORKER_LANE, Lanes
 from turnout.models import GpuMode, Task, TaskSpec, Worker, WorkerState
 from turnout.runs import RunView
@@ -63,6 +63,7 @@ HEARTBEAT_ANSWER_S = 0.5  # a heartbeat is answered by then even when its write 
 ANALYZE_EVERY_S = 2.0  # how often one replica checks whether the tasks table's statistics went stale
 RECONNECT_GRACE_S = 1.0  # a worker whose held connection dropped has this long to open a new one
 STORAGE_RETRY_AFTER_S = 5.0
+TOKENS = "tokens"  # the signal name a revocation publishes to the other replicas: they forget cached tokens
 STORAGE_MESSAGE = (
     "the database cannot take changes now (disk full or unreachable); nothing was changed, try again"
 )
@@ -88,10 +89,13 @@ class _Job(Generic[R]):
             self.future.set_result(self.result)
 
 
-def _unless_ended(poll: QueuePoll, look: Callable[[], LeaseResult]) -> LeaseResult:
+def _unless_ended(poll: QueuePoll, look: Callable[[], LeaseResult], tokens: TokenBook) -> LeaseResult:
     """A poll's look that a submission runs for it, unless the poll's request ended before the database
-    thread came to it: its worker would never hear of what it leased (read across threads: a flag)."""
-    return LeaseResult() if poll.ended else look()
+    thread came to it: its worker would never hear of what it leased (read across threads: a flag); nor when
+    the token its worker registered with was revoked meanwhile: the worker may no longer take tasks."""
+    if poll.ended or (poll.token_id is not None and not tokens.alive(poll.token_id)):
+        return LeaseResult()
+    return look()
 
 
 def _seen(future: asyncio.Future[Any]) -> None:
@@ -240,6 +244,7 @@ class QueuePoll:
 
     worker_id: str
     tenant: str  # whom the worker serves (ALL_TENANTS: every tenant)
+    token_id: str | None = None  # the token its worker registered with (None: not known here)
     event: asyncio.Event = field(default_factory=asyncio.Event)  # set: look at the queue again
     offers: frozenset[str] | None = None  # its capabilities; None until its first look: anything may fit
     full: bool = False  # parked for freed room only: a new task is nothing to it
@@ -395,7 +400,7 @@ class Service:
         for poll, ask in parked:
             poll.ask = None  # one look per park
             look: _Job[LeaseResult] = _Job(
-                functools.partial(_unless_ended, poll, ask()), loop, loop.create_future()
+                functools.partial(_unless_ended, poll, ask(), self.tokens), loop, loop.create_future()
             )
             look.future.add_done_callback(_seen)
             job.then.append(look)
@@ -498,6 +503,25 @@ class Service:
             admit_submission(self.submissions, self.gpu_submissions, tenant, n, n_gpu_only)
         except RateLimited as refusal:
             raise await self.paced(tenant, refusal) from None
+
+    async def still_valid(self, token_id: str) -> None:
+        """Unauthorized (401) once the token `token_id` is revoked: a request held open after its token was
+        checked (a wait for a result, an event stream, a lease poll) asks between its waits, so a revoked
+        token stops there as the very next request would. A memory lookup but once per `TokenBook.CACHE_S`."""
+        if not self.auth:
+            return
+        alive = self.tokens.alive_cached(token_id)
+        if alive is None:
+            alive = await self.read(self.tokens.alive, token_id)
+        if not alive:
+            raise Unauthorized(UNKNOWN_TOKEN)
+
+    def tokens_revoked(self) -> None:
+        """A revocation committed: forget cached token lookups here, and on the other replicas."""
+        self.tokens.forget()
+        publish = self._publisher(TOKENS)
+        if publish is not None:
+            publish()
 
     async def paced(self, tenant: str, refusal: RateLimited) -> RateLimited:
         """`refusal`, once the hold `tenancy.RefusalPace` gives it is over (none for a tenant whose clients wait
@@ -637,7 +661,8 @@ class Service:
     @contextlib.contextmanager
     def queue_poll(self, worker_id: str, tenant: str) -> Iterator[QueuePoll]:
         """A lease poll of this worker, for as long as its request lasts, for `tasks_queued` to wake."""
-        poll = QueuePoll(worker_id, tenant)
+        cred = self.workers.cached(worker_id)  # its route checked the worker's credential: cached then
+        poll = QueuePoll(worker_id, tenant, None if cred is None or not self.auth else cred.token_id)
         self._polls[poll] = None
         try:
             yield poll
@@ -703,6 +728,8 @@ class Service:
     def _remote(self, names: set[str]) -> None:
         """Another replica fired these signals (on the event loop): wake our waiters, publish nothing back."""
         every = ALL in names
+        if every or TOKENS in names:
+            self.tokens.forget()
         for name, signal in (("queue", self.queue_changed), ("changes", self.changes),
                              ("tasks", self.tasks_changed), ("events", self.events_added)):  # fmt: skip
             if every or name in names:

@@ -29,7 +29,7 @@ from turnout.api.guards import Guards
 from turnout.api.schemas import MAX_INT32, MAX_WAIT_S, FastJSON, TaskBatchIn, TaskIn, iso, task_out
 from turnout.api.service import Service, Signal
 from turnout.api.strictjson import StrictJsonRoute
-from turnout.errors import InvalidInput
+from turnout.errors import InvalidInput, Unauthorized
 from turnout.models import Task, TaskSpec, TaskState
 
 EVENTS_PER_READ = 5000
@@ -77,7 +77,11 @@ def router(service: Service, guards: Guards) -> TaskRoutes:
         # a task this request created has not ended before the wait below begins: no result for it can have
         # come in since its commit (were one to, on another replica, the wait's periodic look still finds it);
         # an idempotent repeat names an older task, which may end any moment: that one is read first
-        return await result_answer(task.id, wait, p, status_code=201, fresh=body.idempotency_key is None)
+        try:
+            return await result_answer(task.id, wait, p, status_code=201, fresh=body.idempotency_key is None)
+        except Unauthorized:
+            # its token was revoked while it waited: the submission stands, but nothing newer is told
+            return FastJSON(task_out(task), status_code=201)
 
     @api.post("/v1/tasks", status_code=201, response_class=FastJSON)
     async def submit(
@@ -129,6 +133,7 @@ def router(service: Service, guards: Guards) -> TaskRoutes:
         with service.watch_tasks([task_id]) as ended:
             if fresh:
                 await Signal.wait_any([ended, service.tasks_changed.current()], min(wait, service.recheck_s))
+                await service.still_valid(p.token_id)
             while True:
                 ended.clear()
                 signal = service.tasks_changed.current()
@@ -139,6 +144,7 @@ def router(service: Service, guards: Guards) -> TaskRoutes:
                 if task.state.terminal or left <= 0:
                     return FastJSON(task_out(task), status_code=status_code)
                 await Signal.wait_any([ended, signal], min(left, service.recheck_s))
+                await service.still_valid(p.token_id)  # a token revoked while it waited hears no more
 
     @api.post("/v1/tasks/{task_id}/cancel")
     async def cancel(task_id: str, p: Principal = need(Action.SUBMIT)) -> dict[str, Any]:
@@ -157,7 +163,7 @@ def router(service: Service, guards: Guards) -> TaskRoutes:
         await service.read(ctrl.get_task, p.scope, task_id)  # 404 before the stream starts
         start = max(after, _resume_from(last_event_id))
         return StreamingResponse(
-            _stream(service, request, task_id, start),
+            _stream(service, request, task_id, start, p.token_id),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
@@ -177,11 +183,18 @@ def _resume_from(last_event_id: str | None) -> int:
     return int(last_event_id)
 
 
-async def _stream(service: Service, request: Request, task_id: str, start: int) -> AsyncIterator[bytes]:
-    """The task's events after `start`, as they are stored, ending with its `finish`."""
+async def _stream(
+    service: Service, request: Request, task_id: str, start: int, token_id: str
+) -> AsyncIterator[bytes]:
+    """The task's events after `start`, as they are stored, ending with its `finish`; cut short (no `finish`)
+    once the caller's token is revoked: a reconnect then hears the 401."""
     ctrl = service.controller
     seen = start
     while True:
+        try:
+            await service.still_valid(token_id)
+        except Unauthorized:
+            return
         signal = service.events_added.current()
         batch = await service.read(ctrl.events, task_id, seen, EVENTS_PER_READ)
         frames = []  # one write per batch: a chatty task costs the event loop little per event

@@ -42,12 +42,15 @@ def router(service: Service, guards: Guards) -> APIRouter:
     @api.delete("/v1/tokens/{token_id}")
     async def revoke_token(token_id: str, p: Principal = admin) -> dict[str, Any]:
         def run() -> dict[str, Any]:
-            row = service.tokens.revoke(p, token_id)
-            ctrl.audit("token_revoked", _audit_tenant(row["tenant"]),
-                       {"token": token_id, "role": row["role"], "token_tenant": row["tenant"], "by": p.token_id})  # fmt: skip
+            row, revoked = service.tokens.revoke(p, token_id)
+            # revoking it again changes nothing and records nothing: the record names who revoked it
+            if revoked:
+                ctrl.audit("token_revoked", _audit_tenant(row["tenant"]),
+                           {"token": token_id, "role": row["role"], "token_tenant": row["tenant"], "by": p.token_id})  # fmt: skip
             return row
 
         row = await service.call(run)
+        service.tokens_revoked()  # committed: no cache here or on another replica may still admit it
         return {"id": token_id, "role": row["role"], "tenant": row["tenant"], "revoked": True}
 
     return api
