@@ -195,3 +195,13 @@ def h(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]:
         yield Harness(store=store)
     finally:
         store.close()
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    """A fresh store, in memory and as a SQLite file: what runs on one runs on the other."""
+    opened = open_store("memory://" if request.param == "memory" else f"sqlite:///{tmp_path / 'turnout.db'}")
+    try:
+        yield opened
+    finally:
+        opened.close()

@@ -7,56 +7,19 @@ from __future__ import annotations
 
 import io
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from rich.console import Console
 
+from tests.inprocess.test_run_copies import controller, started
 from turnout.cli_runs import cost_table, stage_table
-from turnout.config import Prices, controller_settings
+from turnout.config import Prices
 from turnout.controller import Controller
-from turnout.models import Completion, Device, Task, TaskSpec, TaskState, Variant
+from turnout.models import Completion, Device, Task, TaskSpec, TaskState
 from turnout.pipelines import PipelineRun, RunState, run_costs
-from turnout.resources import parse_resources
-from turnout.store import Store, open_store
-
-NOOP = Variant("noop", Device.CPU, parse_resources({"cpu": 0.5}))
-CONFIG = """
-pipelines:
-  noop3:
-    stages:
-      - {capability: noop, gpu: never}
-      - {capability: noop, gpu: never}
-      - {capability: noop, gpu: never}
-"""
-
-
-@pytest.fixture(params=["memory", "sqlite"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    opened = open_store("memory://" if request.param == "memory" else f"sqlite:///{tmp_path / 'turnout.db'}")
-    try:
-        yield opened
-    finally:
-        opened.close()
-
-
-def controller(store: Store, tmp_path: Path) -> Controller:
-    config = tmp_path / "turnout.yaml"
-    config.write_text(CONFIG)
-    return Controller(store, controller_settings(config))
-
-
-def started(store: Store, ctrl: Controller) -> tuple[str, str, str]:
-    """A worker, and a run whose first stage it leased: (worker id, run id, the first stage's task id)."""
-    worker = ctrl.register_worker(name="w", host="h", variants=[NOOP], cpu=2.0, memory_bytes=2**33, gpus=[],
-                                  strategy="pack").id  # fmt: skip
-    with store.group():
-        run, first = ctrl.runs.start("default", "noop3", {"n": 1})
-    with store.group():
-        [lease] = ctrl.offer(worker, max_tasks=4, running=[]).leases
-    assert lease.task.id == first.id
-    return worker, run.id, first.id
+from turnout.store import Store
 
 
 def succeed_on(store: Store, ctrl: Controller, worker: str, task_id: str) -> None:

@@ -5,7 +5,6 @@ and the run is read and moved on from what the database says. On SQLite and the 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,18 +16,9 @@ from turnout.controller import Controller
 from turnout.models import Completion, Device, TaskState, Variant
 from turnout.pipelines import RunState
 from turnout.resources import parse_resources
-from turnout.store import Store, open_store
+from turnout.store import Store
 
 NOOP = Variant("noop", Device.CPU, parse_resources({"cpu": 0.5}))
-
-
-@pytest.fixture(params=["memory", "sqlite"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    opened = open_store("memory://" if request.param == "memory" else f"sqlite:///{tmp_path / 'turnout.db'}")
-    try:
-        yield opened
-    finally:
-        opened.close()
 
 
 def controller(store: Store, tmp_path: Path) -> Controller:
