@@ -563,10 +563,11 @@ def task(task_id: str, as_json: bool = typer.Option(False, "--json", help="The t
 
 
 @app.command()
-def cancel(task_id: str) -> None:
-    """Cancel a task (a running process is killed)."""
+def cancel(task_id: str = typer.Argument(..., metavar="ID")) -> None:
+    """Cancel a task (a running process is killed), or a pipeline run (`r_...`: its stage in flight is killed,
+    and no later stage starts)."""
     with _client() as client:
-        t = client.cancel(task_id)
+        t = client.cancel_pipeline_run(task_id) if task_id.startswith("r_") else client.cancel(task_id)
         out.print(f"{t['id']}: {t['state']}")
 
 

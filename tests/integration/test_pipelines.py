@@ -183,9 +183,10 @@ def test_cancelling_a_run_kills_the_stage_in_flight_and_starts_no_more(
     run = start_run(configured, "napping", {"text": "k", "nap_s": 120, "pidfile": str(pidfile)})
     stage_running(configured, run["id"], 0)
     pid = int(until(lambda: pidfile.exists() and pidfile.read_text(), what="the stage's pid"))  # type: ignore[arg-type]
-    resp = configured.api("POST", f"/v1/pipeline-runs/{run['id']}/cancel")
-    assert resp.status_code == 200, resp.text
-    assert resp.json()["state"] == "cancelled"
+    cancelled = configured.cli("cancel", run["id"])  # `turnout cancel` takes a run's id as a task's
+    assert (cancelled.returncode, cancelled.stdout.strip()) == (0, f"{run['id']}: cancelled"), (
+        cancelled.stderr
+    )
     until(lambda: not pid_alive(pid), what="the stage's process to die")
     after = configured.api("GET", f"/v1/pipeline-runs/{run['id']}").json()
     assert [s["state"] for s in after["stages"]] == ["cancelled", "pending"]
