@@ -177,9 +177,10 @@ class PipelineRuns:
             raise NotFound(f"pipeline run {run_id} not found", field="id")
         return run
 
-    def tasks_of(self, run: PipelineRun) -> list[Task | None]:
-        """The run's task per stage, in stage order; None for stages not started."""
-        by_id = {t.id: t for t in self.ctrl.store.get_tasks(run.task_ids)}
+    def tasks_of(self, run: PipelineRun, *, bare: bool = False) -> list[Task | None]:
+        """The run's task per stage, in stage order; None for stages not started. `bare`: without their inputs
+        and outputs (`Store.get_tasks`), for an answer that shows neither (each holds every output before it)."""
+        by_id = {t.id: t for t in self.ctrl.store.get_tasks(run.task_ids, bare=bare)}
         found: list[Task | None] = [by_id.get(tid) for tid in run.task_ids]
         return found + [None] * (len(run.stages) - len(found))
 

@@ -75,6 +75,17 @@ def test_get_tasks_answers_each_existing_task_once(store: Store) -> None:
     assert store.get_tasks([]) == []
 
 
+def test_a_bare_read_leaves_out_the_input_and_the_output_and_nothing_else(store: Store) -> None:
+    """What a pipeline run's answer reads of its stages: each stage's input holds every output before it."""
+    done = replace(_task(1), state=TaskState.SUCCEEDED, output={"big": "x" * 1000}, run_s=0.5, cost_usd=0.001)
+    store.insert_tasks([done, _task(2)])
+    full = {t.id: t for t in store.get_tasks(["t_000001", "t_000002"])}
+    bare = {t.id: t for t in store.get_tasks(["t_000001", "t_000002"], bare=True)}
+    assert full["t_000001"].output == {"big": "x" * 1000} and full["t_000001"].spec.input == {"n": 1}
+    for task_id, task in full.items():
+        assert bare[task_id] == replace(task, spec=replace(task.spec, input=None), output=None)
+
+
 def test_listing_filters_by_tenant_state_and_capability(store: Store) -> None:
     other = replace(_task(2, tenant="acme"), spec=replace(_task(2).spec, capability="other"))
     store.insert_tasks([_task(1), other, _task(3)])

@@ -73,7 +73,7 @@ def router(service: Service, guards: Guards) -> PipelineRoutes:
 
     def _run_and_tasks(tenant: str | None, run_id: str) -> tuple[PipelineRun, list[Task | None]]:
         run = runs.get(tenant, run_id)
-        return run, runs.tasks_of(run)
+        return run, runs.tasks_of(run, bare=True)  # the answer shows no stage's input or output
 
     @api.get("/v1/pipelines")
     async def pipelines(p: Principal = need(Action.READ)) -> dict[str, Any]:
@@ -132,7 +132,10 @@ def router(service: Service, guards: Guards) -> PipelineRoutes:
 
     def _list_with_tasks(tenant: str | None, state: str | None, limit: int,
                          cursor: str | None) -> list[tuple[PipelineRun, list[Task | None]]]:  # fmt: skip
-        return [(r, runs.tasks_of(r)) for r in runs.list(tenant, state=state, limit=limit, cursor=cursor)]
+        return [
+            (r, runs.tasks_of(r, bare=True))
+            for r in runs.list(tenant, state=state, limit=limit, cursor=cursor)
+        ]
 
     @api.get("/v1/pipeline-runs/{run_id}", response_class=FastJSON)
     async def get_run(

@@ -73,8 +73,9 @@ class TaskStore(Protocol):
 
     def get_task(self, task_id: str) -> Task | None: ...
 
-    def get_tasks(self, task_ids: Iterable[str]) -> list[Task]:
-        """The tasks that exist, each once, in no promised order."""
+    def get_tasks(self, task_ids: Iterable[str], *, bare: bool = False) -> list[Task]:
+        """The tasks that exist, each once, in no promised order. `bare`: without their input and output (None
+        in their place), for an answer that shows neither: a pipeline's stages carry every output before them."""
         ...
 
     def list_tasks(

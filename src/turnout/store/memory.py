@@ -238,9 +238,10 @@ class MemoryStore:
             row = self._tasks.get(task_id)
             return self._task(row) if row is not None else None
 
-    def get_tasks(self, task_ids: Iterable[str]) -> list[Task]:
+    def get_tasks(self, task_ids: Iterable[str], *, bare: bool = False) -> list[Task]:
         with self._lock:
-            return [self._task(self._tasks[i]) for i in dict.fromkeys(task_ids) if i in self._tasks]
+            rows = [self._tasks[i] for i in dict.fromkeys(task_ids) if i in self._tasks]
+            return [self._task({**r, "input": None, "output": None} if bare else r) for r in rows]
 
     def list_tasks(
         self,

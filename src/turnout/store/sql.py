@@ -331,14 +331,14 @@ class SqlStore:
             row = conn.execute(_GET_TASK, {"id": task_id}).first()
         return _task(row) if row else None
 
-    def get_tasks(self, task_ids: Iterable[str]) -> list[Task]:
+    def get_tasks(self, task_ids: Iterable[str], *, bare: bool = False) -> list[Task]:
         ids = list(task_ids)
         if not ids:
             return []
         with self._read() as conn:
             if self.dialect == "sqlite":
-                return _sqlite_tasks(conn, TASKS.by_ids(len(ids)), ids)
-            return [_task(r) for r in conn.execute(_GET_TASKS, {"ids": ids})]
+                return _sqlite_tasks(conn, TASKS.by_ids(len(ids), blank=BARE if bare else ()), ids)
+            return [_task(r) for r in conn.execute(_GET_TASKS_BARE if bare else _GET_TASKS, {"ids": ids})]
 
     def list_tasks(
         self,
@@ -751,6 +751,10 @@ class SqlStore:
 # Hot statements, built once: building SQLAlchemy expressions costs more than running them on SQLite.
 _GET_TASK = sa.select(T).where(T.c.id == sa.bindparam("id"))
 _GET_TASKS = sa.select(T).where(T.c.id.in_(sa.bindparam("ids", expanding=True)))
+BARE = ("input", "output")  # the columns a bare read leaves out (`get_tasks(bare=True)`)
+_GET_TASKS_BARE = sa.select(*(sa.null().label(c.name) if c.name in BARE else c for c in T.c)).where(
+    T.c.id.in_(sa.bindparam("ids", expanding=True))
+)
 _ACTIVE = (TaskState.LEASED.value, TaskState.RUNNING.value)
 _ACTIVE_ALL = sa.select(T).where(T.c.state.in_(_ACTIVE))
 _ACTIVE_OF = _ACTIVE_ALL.where(T.c.worker_id.in_(sa.bindparam("workers", expanding=True)))
@@ -830,19 +834,20 @@ class RawTable:
         )
         self._selects: dict[str, str] = {}
 
-    def select(self, where: str, *, blank: str | None = None) -> str:
+    def select(self, where: str, *, blank: str | tuple[str, ...] = ()) -> str:
         """SELECT every column WHERE `where` (our own text, a few shapes per table: each built once); `blank`:
-        a column read as NULL, not from the table (one whose value the reader does not need)."""
-        key = f"{blank}|{where}"
+        columns read as NULL, not from the table (those whose values the reader does not need)."""
+        blanks = (blank,) if isinstance(blank, str) else blank
+        key = f"{','.join(blanks)}|{where}"
         sql = self._selects.get(key)
         if sql is None:
-            names = ", ".join("NULL" if c == blank else c for c in self.columns)
+            names = ", ".join("NULL" if c in blanks else c for c in self.columns)
             sql = self._selects[key] = f"SELECT {names} FROM {self.name} WHERE {where}"
         return sql
 
-    def by_ids(self, n: int) -> str:
-        """SELECT the rows of `n` ids."""
-        return self.select(f"id IN ({_marks(n)})")
+    def by_ids(self, n: int, *, blank: tuple[str, ...] = ()) -> str:
+        """SELECT the rows of `n` ids (`blank`: as `select`)."""
+        return self.select(f"id IN ({_marks(n)})", blank=blank)
 
     def rows(self, conn: sa.Connection, sql: str, params: Sequence[Any]) -> list[Any]:
         out = []
