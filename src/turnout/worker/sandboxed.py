@@ -177,7 +177,8 @@ class SandboxedProcess(ProtocolProcess):
                 bwrap=self.host.bwrap.path, command=command, workdir=str(self.workdir),
                 workroot=str(opts.workroot), devices=devices, ro_binds=_outermost_first(self.host.ro_binds, ro),
                 symlinks=links, masks=existing(self.host.masks), masked_dirs=existing(self.host.masked_dirs),
-                rw_binds=outputs, tmpfs_bytes=self.limits.memory_bytes, network=self.network,
+                rw_binds=outputs, tmpfs_bytes=self.limits.memory_bytes if self.host.bwrap.sizes_tmpfs else 0,
+                network=self.network,
                 drop_caps=os.geteuid() == 0,
             )  # fmt: skip
             self.argv = guarded_argv([sys.executable, "-m", "turnout.worker.limits", self.cgroup.spec(), "--",
@@ -188,6 +189,7 @@ class SandboxedProcess(ProtocolProcess):
                 "devices": [inside for _, inside in devices], "gpu_minors": minors,
                 "network": self.network, "pid_namespace": True,
                 "writable": [str(self.workdir), *outputs, "/tmp (private)"],
+                "tmpfs_bytes": plan.tmpfs_bytes or None,  # /tmp's and /dev/shm's size; None: the kernel's default
                 "limits": self.cgroup.record(),
             }  # fmt: skip
             await super().start()
