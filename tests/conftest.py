@@ -143,6 +143,15 @@ def channel_requests(metrics: str, call: str) -> float:
 
 
 @pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A fresh PostgreSQL database of the test's own (tests/pg.py), dropped after it, also when it fails."""
+    from tests.pg import fresh_database
+
+    with fresh_database() as url:
+        yield url
+
+
+@pytest.fixture
 def processes() -> Iterator[Processes]:
     procs = Processes()
     try:

@@ -26,12 +26,6 @@ from turnout.store.runs import RunSample, RunStore
 NOOP = Variant("noop", Device.CPU, parse_resources({"cpu": 0.01}))
 
 
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    with fresh_database() as url:
-        yield url
-
-
 def _register(ctrl: Controller, name: str, heartbeat_s: float = 5.0) -> str:
     worker = ctrl.register_worker(name=name, host="h", variants=[NOOP], cpu=64.0, memory_bytes=2**34, gpus=[],
                                   strategy="pack", heartbeat_s=heartbeat_s)  # fmt: skip

@@ -13,7 +13,6 @@ from __future__ import annotations
 import shutil
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -21,18 +20,11 @@ import pytest
 
 from tests.conftest import Cluster, Processes
 from tests.faults.conftest import FaultReport
-from tests.pg import fresh_database
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 APP = "tests.apps.replica_app:app"
 TASKS = 5000
 BATCH = 1000
-
-
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    with fresh_database() as url:
-        yield url
 
 
 def _finished(cluster: Cluster) -> tuple[int, int]:

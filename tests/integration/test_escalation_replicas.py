@@ -8,7 +8,6 @@ from __future__ import annotations
 import shutil
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,16 +16,9 @@ import pytest
 from tests.conftest import Cluster, Processes
 from tests.integration.test_escalation_hostile import Hostile, Reply, hostile_endpoint
 from tests.integration.test_pipelines import until
-from tests.pg import fresh_database
 from turnout.escalation import LEAD_S
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
-
-
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    with fresh_database() as url:
-        yield url
 
 
 def _replica(tmp: Path, processes: Processes, pg_url: str, config: Path) -> Cluster:

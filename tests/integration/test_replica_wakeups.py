@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.pg import fresh_database
 from turnout.api.app import create_app
 from turnout.api.service import Service
 from turnout.auth import TokenBook
@@ -29,12 +28,6 @@ from turnout.store.notify import ReplicaBus
 pytestmark = pytest.mark.postgres
 SLOW_RECHECK_S = 60.0
 BOUND_S = 30.0
-
-
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    with fresh_database() as url:
-        yield url
 
 
 @asynccontextmanager

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import httpx
 import pytest
 
-from tests.pg import fresh_database
 from turnout.access import ALL_TENANTS
 from turnout.api.app import create_app
 from turnout.api.service import Service
@@ -29,12 +28,6 @@ from turnout.store.notify import ReplicaBus
 pytestmark = pytest.mark.postgres
 CACHE_S = 60.0
 BOUND_S = 20.0
-
-
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    with fresh_database() as url:
-        yield url
 
 
 @asynccontextmanager
