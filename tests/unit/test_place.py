@@ -232,3 +232,27 @@ def test_a_placement_never_exceeds_free_gpu_memory_or_the_room_and_a_gpu_only_ta
             assert held == 0  # a whole GPU is taken only when nothing is on it
         else:
             assert held + p.grant.memory_bytes <= 24 * GiB  # never more than the unit has free
+
+
+def test_auto_counts_only_the_slots_of_workers_that_serve_the_tasks_tenant() -> None:
+    """`auto` divides the work queued ahead on a device class by the slots that serve it: the slots of workers
+    that serve the task's tenant. Acme's 400 private CPU slots would make the CPU look free to bob, whose
+    tasks they will never run."""
+    here = worker("g", (SHARE, CPU), gpus=1, cpu=4.0)
+    acmes = worker("acme-big", (CPU,), gpus=0, cpu=400.0)
+    fleet = profiles.Fleet(
+        (profiles.Profile("c", "cpu", None, 5, 2.0), profiles.Profile("c", "gpu", None, 5, 0.2)),
+        (here, acmes), (), (("c", "never", 100), ("c", "require", 20)),
+    )  # fmt: skip
+
+    class Reads(FakeReads):
+        def auto_fleet(self) -> profiles.Fleet:
+            return fleet
+
+    reads = Reads(serves={"acme-big": "acme"})
+    # 100 CPU tasks of 2 s ahead over bob's 4 slots (52 s) against 20 GPU tasks of 0.2 s on one GPU (4.2 s)
+    placed = decide(task(gpu=GpuMode.AUTO, tenant="bob"), here, acmes, reads=reads)
+    assert placed is not None and placed.device is Device.GPU, placed
+    # for acme, whose workers they are, the CPU is sooner (200 s over 404 slots, 2.5 s)
+    mine = decide(task(gpu=GpuMode.AUTO, tenant="acme"), here, acmes, reads=reads)
+    assert mine is not None and mine.device is Device.CPU, mine
