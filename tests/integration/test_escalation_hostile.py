@@ -414,6 +414,25 @@ class FlakyService:
         pass
 
 
+async def followed(
+    service: FlakyService, task_id: str, until: Callable[[], bool] = lambda: False, within_s: float = 30
+) -> Task | None:
+    """Run an escalator on `service` until the task ends (or `until()` holds, or `within_s` pass), then stop it
+    (as a controller that stops); the task as it stands then."""
+    escalator = Escalator(service, tick_s=0.05)  # type: ignore[arg-type]
+    await escalator.start()
+    try:
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            task = service.controller.store.get_task(task_id)
+            if until() or (task is not None and task.state in (TaskState.SUCCEEDED, TaskState.FAILED)):
+                return task
+            await asyncio.sleep(0.05)
+        return service.controller.store.get_task(task_id)
+    finally:
+        await escalator.stop()
+
+
 def test_a_result_that_arrives_while_the_database_is_down_is_committed_once_it_is_back() -> None:
     """The reaper leaves tasks an endpoint holds to the escalator: a storage failure while committing a job's
     result must not leave its task `running` for good, nor cancel the job that succeeded."""
@@ -435,21 +454,7 @@ def test_a_result_that_arrives_while_the_database_is_down_is_committed_once_it_i
         spec = TaskSpec("count", {"mode": "x"}, gpu=GpuMode.REQUIRE, placement_timeout_s=120)
         task_id = ctrl.submit("default", [spec], waits_for_capacity=[True])[0].id
 
-        async def scenario() -> Task | None:
-            escalator = Escalator(service, tick_s=0.05)  # type: ignore[arg-type]
-            await escalator.start()
-            try:
-                deadline = time.monotonic() + 30
-                while time.monotonic() < deadline:
-                    task = ctrl.store.get_task(task_id)
-                    if task is not None and task.state in (TaskState.SUCCEEDED, TaskState.FAILED):
-                        return task
-                    await asyncio.sleep(0.05)
-                return ctrl.store.get_task(task_id)
-            finally:
-                await escalator.stop()
-
-        task = asyncio.run(scenario())
+        task = asyncio.run(followed(service, task_id))
     assert task is not None and task.state is TaskState.SUCCEEDED, task
     assert task.output and task.output["ok"] >= 2
     assert state.paths("POST") == ["/rp/run"]  # sent once, and never cancelled
@@ -471,28 +476,12 @@ def test_a_job_that_ended_while_its_controller_was_down_past_its_deadline_keeps_
         spec = TaskSpec("count", {"mode": "x"}, gpu=GpuMode.REQUIRE, placement_timeout_s=120)
         task_id = ctrl.submit("default", [spec], waits_for_capacity=[True])[0].id
 
-        async def follow(until_polled: bool) -> Task | None:
-            escalator = Escalator(service, tick_s=0.05)  # type: ignore[arg-type]
-            await escalator.start()
-            try:
-                deadline = time.monotonic() + 30
-                while time.monotonic() < deadline:
-                    task = ctrl.store.get_task(task_id)
-                    if until_polled and state.paths("GET"):
-                        return task
-                    if task is not None and task.state in (TaskState.SUCCEEDED, TaskState.FAILED):
-                        return task
-                    await asyncio.sleep(0.05)
-                return ctrl.store.get_task(task_id)
-            finally:
-                await escalator.stop()
-
         # Given a job sent and polled, and then the controller down longer than the job's timeout_s
-        asyncio.run(follow(until_polled=True))
+        asyncio.run(followed(service, task_id, until=lambda: bool(state.paths("GET"))))
         done.set()
         now[0] += 60
         # When a new controller follows it
-        task = asyncio.run(follow(until_polled=False))
+        task = asyncio.run(followed(service, task_id))
     # Then it took the result, and sent the job only once and never cancelled it
     assert task is not None and task.state is TaskState.SUCCEEDED, task
     assert state.paths("POST") == ["/rp/run"]
